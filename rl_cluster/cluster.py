@@ -1,0 +1,96 @@
+"""Placement, start order and clean shutdown of a run's actors.
+
+Start order: generators (their vLLM servers start in parallel, ~30 s on a CPU) -> proxy -> each
+generator registers with the proxy -> trainer. Shutdown runs in reverse in a `finally`, and each vLLM
+server also has a watchdog that ends it if its actor dies without a shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from dataclasses import dataclass, field
+
+import ray
+
+from rl_cluster.config import RunConfig
+from rl_cluster.generator.actor import ActorReplicaControl, GeneratorActor
+from rl_cluster.proxy.actor import ProxyActor
+
+
+def connect(config: RunConfig) -> None:
+    """Join the configured or running Ray cluster; else start a local one that declares the trainer and
+    generator resources itself (a laptop has no node types)."""
+    if ray.is_initialized():
+        return
+    env = {
+        "env_vars": {
+            # TRL 1.16 warns on every import that it was tested with vLLM <= 0.31 (we run 0.32, verified),
+            # and that its async trainer is experimental: once per process, in every actor's log.
+            "TRL_EXPERIMENTAL_SILENCE": "1",
+            "PYTHONWARNINGS": "ignore:TRL currently supports vLLM versions",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    }
+    address = config.cluster.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, runtime_env=env)
+        return
+    try:
+        ray.init(address="auto", runtime_env=env)
+    except ConnectionError:
+        ray.init(
+            num_cpus=os.cpu_count(),
+            resources={"trainer": 1, "generator": config.generator.replicas},
+            runtime_env=env,
+        )
+
+
+@dataclass
+class Cluster:
+    proxy: object
+    proxy_url: str
+    generators: list = field(default_factory=list)
+    trainer: object | None = None
+
+    async def shutdown(self) -> None:
+        """Stop vLLM servers first (the expensive processes), then kill the actors."""
+        stops = [g.shutdown.remote() for g in self.generators]
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.gather(*stops, return_exceptions=True), timeout=60)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.proxy.stop.remote(), timeout=10)
+        for actor in [*self.generators, self.proxy, self.trainer]:
+            if actor is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor)
+
+
+def generator_actor(config: RunConfig, index: int, log_dir: str):
+    return GeneratorActor.options(
+        name=f"{config.run_name}-generator-{index}",
+        num_cpus=0,
+        num_gpus=config.generator.num_gpus,
+        resources={"generator": 1},
+    ).remote(f"g{index}", config, log_dir)
+
+
+async def start_generator(actor, index: int, proxy) -> None:
+    url = await actor.start.remote(index)
+    await proxy.add_replica.remote(f"g{index}", url, ActorReplicaControl(actor))
+
+
+async def launch(config: RunConfig, log_dir: str) -> Cluster:
+    """Start the proxy and the generators; return once every generator serves through the proxy."""
+    proxy = ProxyActor.options(name=f"{config.run_name}-proxy", num_cpus=config.proxy.num_cpus).remote(
+        config.proxy
+    )
+    cluster = Cluster(proxy=proxy, proxy_url=await proxy.start.remote())
+    cluster.generators = [generator_actor(config, i, log_dir) for i in range(config.generator.replicas)]
+    try:
+        await asyncio.gather(*(start_generator(g, i, proxy) for i, g in enumerate(cluster.generators)))
+    except BaseException:
+        await cluster.shutdown()
+        raise
+    return cluster

@@ -1,0 +1,272 @@
+"""The run config: one pydantic tree, one TOML file per run, dotted command-line overrides.
+
+Every field carries its documentation (the README's config reference is generated from it). Validators
+reject combinations that cannot work; they never copy values between sections, so each value is set in
+exactly one place. This module imports no Ray, vLLM, torch or HTTP library: `--help` and config checks
+are instant.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str = "tiny"
+    """Base model: a Hugging Face model id or a local directory. `tiny` builds the locally made tiny
+    Qwen2-architecture model (rl_cluster.tiny) on first use, so a run needs no model hub."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Precision of the trainer's weights and the vLLM servers (both use the same one so logprobs agree)."""
+    max_model_len: int = Field(256, gt=0)
+    """Context length (prompt + completion tokens) the vLLM servers accept."""
+
+
+class LoraConfig(Section):
+    rank: int = Field(1, ge=1)
+    """LoRA rank r. Rank 1 is enough for RL post-training and keeps each published adapter a few MB."""
+    alpha: float = Field(2.0, gt=0)
+    """LoRA alpha; the update is scaled by alpha / rank."""
+    target_modules: str | list[str] = "all-linear"
+    """Modules that get an adapter: `all-linear` or a list of module names (never lm_head or embeddings)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """LoRA dropout."""
+
+
+class TaskConfig(Section):
+    prompts: Literal["tiny_arithmetic", "jsonl"] = "tiny_arithmetic"
+    """Where prompts come from: the built-in toy task (made locally, rl_cluster.tiny) or a JSONL file of
+    rows with a conversational `prompt` and extra columns that reach the reward functions."""
+    jsonl_path: str | None = None
+    """JSONL file of prompt rows, when `prompts = "jsonl"`."""
+    num_prompts: int = Field(2000, gt=0)
+    """How many toy-task prompts to generate (ignored for JSONL)."""
+    rewards: list[str] = ["rl_cluster.core.rewards:arithmetic_reward"]
+    """Reward functions as `module:function` import paths; each is `(completions, **columns) -> list[float]`."""
+
+
+class TrainerConfig(Section):
+    learning_rate: float = Field(4e-5, gt=0)
+    """Peak learning rate of AdamW."""
+    lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate schedule."""
+    adam_beta2: float = Field(0.95, gt=0, lt=1)
+    """AdamW beta2."""
+    num_generations: int = Field(8, ge=2)
+    """Completions sampled per prompt (the GRPO group size)."""
+    completions_per_step: int = Field(128, gt=0)
+    """Completions consumed by one optimizer step; a multiple of num_generations."""
+    max_new_tokens: int = Field(3000, gt=0)
+    """Longest completion the generators produce."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of rollouts."""
+    max_staleness: int = Field(4, ge=0)
+    """Largest policy-version lag a rollout may have when trained on; older ones are dropped."""
+    queue_steps: int = Field(1, ge=1)
+    """Rollouts buffered ahead of the trainer, in optimizer steps' worth. Generation blocks when the buffer
+    is full instead of producing samples that would go stale waiting (admission control)."""
+    sync_every: int = Field(4, ge=1)
+    """Optimizer steps between adapter publications (weight syncs)."""
+    max_steps: int = Field(500, gt=0)
+    """Optimizer steps of the run."""
+    seed: int = 0
+    """Seed for LoRA init, data order and sampling."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (saves memory on long contexts)."""
+    token_budget: int = 0
+    """Tokens per packed micro-batch row; 0 trains a fixed batch of completions_per_step samples."""
+    num_cpus: float = Field(1.0, ge=0)
+    """CPUs the trainer actor reserves (Ray sets OMP_NUM_THREADS from it)."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs the trainer actor reserves."""
+
+
+class GeneratorConfig(Section):
+    replicas: int = Field(2, ge=1)
+    """vLLM generator actors (one server each) started with the run."""
+    max_loras: int = Field(6, ge=1)
+    """Adapter versions a vLLM server holds at once (`--max-loras`); at least max_staleness + 2."""
+    max_lora_rank: int = Field(8, ge=1)
+    """Largest adapter rank a server accepts (`--max-lora-rank`)."""
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    """Which logprobs vLLM returns; processed ones match what the trainer recomputes."""
+    enable_prefix_caching: bool = True
+    """vLLM automatic prefix caching (the proxy's routing tries to make it hit)."""
+    kv_cache_gb: int = Field(1, ge=1)
+    """KV-cache size in GB for the CPU build (`VLLM_CPU_KVCACHE_SPACE`)."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """Share of GPU memory vLLM may use (CUDA build only)."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs each generator actor reserves."""
+    pin_cpu_cores: bool = True
+    """On CPU, bind replica i's engine to core i mod cores, so two engines do not share a core."""
+    startup_timeout_s: float = Field(300.0, gt=0)
+    """Seconds a vLLM server may take to answer /health before the run fails."""
+    extra_args: list[str] = []
+    """Extra `vllm serve` flags, passed through unchanged."""
+
+
+class ProxyConfig(Section):
+    host: str = "127.0.0.1"
+    """Address the proxy binds. A non-loopback address requires `auth_token`."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port the proxy binds; 0 picks a free one."""
+    auth_token: str | None = None
+    """Bearer token required on control routes (load, unload, pause, resume, replicas)."""
+    block_size: int = Field(16, ge=1)
+    """Prompt tokens (or characters, for text prompts) per routing hash block."""
+    imbalance_threshold: int = Field(8, ge=0)
+    """In-flight requests the prefix-preferred replica may exceed the least-loaded one by before spilling.
+    At least trainer.num_generations: TRL sends a group's G samples at once, and they share a prompt."""
+    table_capacity: int = Field(200_000, ge=1)
+    """Prefix blocks the routing table remembers (LRU)."""
+    pause_lease_s: float = Field(120.0, gt=0)
+    """A pause without a resume within this time is ended by the proxy (a dead trainer must not freeze
+    the cluster)."""
+    load_retry_interval_s: float = Field(2.0, gt=0)
+    """Seconds between retries of an adapter load a replica could not find yet (a lagging mount)."""
+    load_deadline_s: float = Field(60.0, gt=0)
+    """Seconds an adapter load may keep retrying "not found" before it fails."""
+    max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
+    """Largest request body accepted."""
+    max_n: int = Field(128, ge=1)
+    """Largest `n` (samples per request) a generation request may ask for; more is refused with 400."""
+    health_interval_s: float = Field(5.0, gt=0)
+    """Seconds between health checks of the replicas (GET /health). A replica that fails one leaves
+    routing at once; when it answers again it reloads every live adapter version before it takes traffic."""
+    health_timeout_s: float = Field(5.0, gt=0)
+    """Seconds a replica's /health may take before the check counts as failed."""
+    num_cpus: float = Field(0.0, ge=0)
+    """CPUs the proxy actor reserves."""
+
+    @model_validator(mode="after")
+    def _token_off_loopback(self) -> ProxyConfig:
+        if self.host not in ("127.0.0.1", "localhost", "::1") and not self.auth_token:
+            raise ValueError(
+                f"proxy.host={self.host!r} is not a loopback address: set proxy.auth_token so that control "
+                "routes (load/unload/pause/resume) are not open to the network"
+            )
+        return self
+
+
+class BucketConfig(Section):
+    uri: str = "bucket"
+    """Where adapters, configs and metrics go: a directory every node sees at the same path, or
+    `s3://bucket/prefix`. Relative directories resolve against the working directory of the driver."""
+    s3_endpoint_url: str | None = None
+    """Endpoint of an S3-compatible store (for s3:// URIs); None uses AWS."""
+    cache_dir: str = ".cache/adapters"
+    """Generators' local copy of adapters in s3 mode."""
+    keep_every: int = Field(0, ge=0)
+    """Also keep every K-th version beyond the live window (0 keeps only the live window)."""
+
+
+class CheckConfig(Section):
+    samples: int = Field(4, ge=1)
+    """Completions sampled from a replica after a sync to compare served and trained logprobs."""
+    every_syncs: int = Field(1, ge=1)
+    """Run the served-vs-trained check after every N-th sync."""
+    tolerance: float = Field(1e-3, gt=0)
+    """Largest acceptable mean absolute logprob gap; above it the run reports that the served adapter is
+    not the trained one."""
+
+
+class ClusterConfig(Section):
+    address: str | None = None
+    """Ray address to join; None joins a running cluster when there is one, else starts a local one that
+    declares the `trainer` and `generator` resources itself."""
+
+
+class RunConfig(Section):
+    run_name: str
+    """Name of the run: its directory in the bucket and its adapter-name prefix (`<run_name>-vN`)."""
+    model: ModelConfig = ModelConfig()
+    lora: LoraConfig = LoraConfig()
+    task: TaskConfig = TaskConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    generator: GeneratorConfig = GeneratorConfig()
+    proxy: ProxyConfig = ProxyConfig()
+    bucket: BucketConfig = BucketConfig()
+    check: CheckConfig = CheckConfig()
+    cluster: ClusterConfig = ClusterConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunConfig:
+        t, g = self.trainer, self.generator
+        if t.completions_per_step % t.num_generations:
+            raise ValueError(
+                f"trainer.completions_per_step={t.completions_per_step} must be a multiple of "
+                f"trainer.num_generations={t.num_generations} (whole GRPO groups per step)"
+            )
+        if g.max_loras < t.max_staleness + 2:
+            raise ValueError(
+                f"generator.max_loras={g.max_loras} cannot hold the live window: trainer.max_staleness="
+                f"{t.max_staleness} needs at least {t.max_staleness + 2} adapter slots"
+            )
+        if self.lora.rank > g.max_lora_rank:
+            raise ValueError(
+                f"lora.rank={self.lora.rank} exceeds generator.max_lora_rank={g.max_lora_rank}; "
+                "raise max_lora_rank (vLLM accepts 8, 16, 32, 64, ...)"
+            )
+        if self.proxy.imbalance_threshold < t.num_generations:
+            raise ValueError(
+                f"proxy.imbalance_threshold={self.proxy.imbalance_threshold} is below trainer.num_generations="
+                f"{t.num_generations}: the G concurrent samples of one GRPO group would be split across replicas "
+                "and lose their shared prefix cache"
+            )
+        if self.task.prompts == "jsonl" and not self.task.jsonl_path:
+            raise ValueError('task.prompts = "jsonl" needs task.jsonl_path')
+        if not all(c.isalnum() or c in "-_." for c in self.run_name):
+            raise ValueError(f"run_name={self.run_name!r} may contain only letters, digits, '-', '_' and '.'")
+        return self
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`trainer.max_steps=20` -> (["trainer", "max_steps"], 20). Values are TOML; bare words are strings."""
+    if "=" not in text:
+        raise ValueError(f"override {text!r} must look like section.field=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Read a run TOML, apply dotted overrides, validate. `run_name` defaults to the TOML's stem plus a
+    UTC timestamp, so two runs never publish adapters under the same name."""
+    data: dict[str, Any] = tomllib.loads(Path(path).read_text()) if path else {}
+    for override in overrides:
+        keys, value = parse_override(override)
+        node = data
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {override!r}: {key!r} is not a section")
+        node[keys[-1]] = value
+    if "run_name" not in data:
+        stem = Path(path).stem if path else "run"
+        data["run_name"] = f"{stem}-{_dt.datetime.now(_dt.UTC):%Y%m%d-%H%M%S}"
+    return RunConfig.model_validate(data)
+
+
+def config_reference(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted name, default, docstring) for every leaf field: the README's config reference."""
+    rows = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows += config_reference(annotation, f"{prefix}{name}.")
+        else:
+            default = "required" if field.is_required() else repr(field.default)
+            rows.append((f"{prefix}{name}", default, " ".join((field.description or "").split())))
+    return rows

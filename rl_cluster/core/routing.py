@@ -1,0 +1,169 @@
+"""Prefix-aware routing: which replica most likely holds a prompt's KV-cache blocks.
+
+Pure logic (no HTTP, Ray, vLLM or torch), so it tests in milliseconds. The proxy hashes each prompt into
+chained fixed-size blocks, asks `choose_replica` where to send it, then records the blocks for the replica
+it chose. The chain is seeded with the requested model name because vLLM keys its prefix cache by adapter:
+a prefix computed under `policy-v3` is worthless to a request for `policy-v4`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+RouteReason = Literal["affinity", "spill", "unmatched"]
+
+_DIGEST_BYTES = 8
+
+
+def _digest(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=_DIGEST_BYTES).digest(), "little")
+
+
+def block_hashes(model: str, prompt: str | Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of `prompt` cut into `block_size` tokens (or characters, for text prompts).
+
+    Hash i covers the whole prefix up to the end of block i, so two prompts share hash i exactly when
+    they share that prefix (and the model). A trailing partial block is hashed too: vLLM does not cache
+    it, but it makes identical prompts (a GRPO group) share one more hash than prompts that only share
+    their full blocks, which keeps a group together even when its prompt is shorter than one block.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    # Distinct prefixes for text and token prompts, so "12" as text never equals tokens [1, 2].
+    kind = b"t" if isinstance(prompt, str) else b"i"
+    previous = _digest(b"model\0" + model.encode())
+    hashes = []
+    for start in range(0, len(prompt), block_size):
+        block = prompt[start : start + block_size]
+        if isinstance(block, str):
+            payload = block.encode()
+        else:
+            payload = b"".join(int(t).to_bytes(8, "little", signed=True) for t in block)
+        previous = _digest(previous.to_bytes(_DIGEST_BYTES, "little") + kind + payload)
+        hashes.append(previous)
+    return hashes
+
+
+def request_prompt(body: Mapping[str, Any]) -> str | list[int]:
+    """The routing key of an OpenAI-style request body: token ids when it has them, else text.
+
+    Completions take `prompt` as text, token ids, or a batch of either (the first one routes the batch);
+    chat completions take `messages`, serialised canonically so equal conversations hash equally.
+    """
+    prompt = body.get("prompt")
+    if prompt is None:
+        messages = body.get("messages")
+        return "" if messages is None else json.dumps(messages, sort_keys=True, separators=(",", ":"))
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return prompt
+    return json.dumps(prompt, sort_keys=True)  # something odd: still route it consistently
+
+
+class PrefixTable:
+    """Bounded LRU map: block hash -> ids of the replicas that were sent that block.
+
+    Recording refreshes a block's recency; the least recently recorded blocks fall out first, so memory
+    stays at `capacity` entries however many distinct prompts pass through.
+    """
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._holders: OrderedDict[int, set[str]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    def holders(self, block_hash: int) -> set[str]:
+        """Replicas recorded for this block (empty when unknown). Does not refresh recency."""
+        return self._holders.get(block_hash, set())
+
+    def record(self, hashes: Iterable[int], replica_id: str) -> None:
+        for block_hash in hashes:
+            holders = self._holders.get(block_hash)
+            if holders is None:
+                self._holders[block_hash] = {replica_id}
+                if len(self._holders) > self.capacity:
+                    self._holders.popitem(last=False)
+            else:
+                holders.add(replica_id)
+                self._holders.move_to_end(block_hash)
+
+    def forget_replica(self, replica_id: str) -> None:
+        """Drop a replica from every block (it left, or restarted with an empty cache)."""
+        for block_hash in list(self._holders):
+            holders = self._holders[block_hash]
+            holders.discard(replica_id)
+            if not holders:
+                del self._holders[block_hash]
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    replica_id: str
+    reason: RouteReason
+    """affinity: sent where its prefix is; spill: that replica was too busy; unmatched: no useful prefix."""
+    matched_blocks: int
+    """Prompt-specific blocks the chosen replica was recorded for (0 unless affinity)."""
+
+
+def specific_matches(hashes: Sequence[int], table: PrefixTable, eligible: Iterable[str]) -> dict[str, int]:
+    """Per eligible replica, how many of the prompt's blocks it holds that not every eligible replica holds.
+
+    Blocks every eligible replica holds (a shared system prompt) say nothing about where to go, so they
+    count for nothing (unless only one replica is eligible: then a hit is still a hit, for the metrics).
+    The walk stops at the first block nobody holds: hashes are chained, so later
+    blocks can only match through it.
+    """
+    eligible = set(eligible)
+    counts = dict.fromkeys(eligible, 0)
+    for block_hash in hashes:
+        holders = table.holders(block_hash) & eligible
+        if not holders:
+            break
+        if holders == eligible and len(eligible) > 1:
+            continue
+        for replica_id in holders:
+            counts[replica_id] += 1
+    return counts
+
+
+def choose_replica(
+    hashes: Sequence[int],
+    table: PrefixTable,
+    in_flight: Mapping[str, int],
+    imbalance_threshold: int,
+    served: Mapping[str, int] | None = None,
+) -> RouteDecision:
+    """Pick a replica among the keys of `in_flight` (the eligible ones, with their in-flight counts).
+
+    The replica with the most prompt-specific matching blocks wins unless its in-flight count exceeds the
+    least-loaded replica's by more than `imbalance_threshold` (then the least-loaded: a spill). Without any
+    match, the least-loaded. Ties go to fewer in-flight, then fewer requests served so far (so sequential
+    traffic alternates), then the smaller replica id: the same inputs always give the same answer.
+    """
+    if not in_flight:
+        raise ValueError("no eligible replica")
+    served = served or {}
+
+    def load_key(replica_id: str) -> tuple[int, int, str]:
+        return in_flight[replica_id], served.get(replica_id, 0), replica_id
+
+    least_loaded = min(in_flight, key=load_key)
+    matches = specific_matches(hashes, table, in_flight)
+    best = min(in_flight, key=lambda r: (-matches[r], *load_key(r)))
+    if matches[best] == 0:
+        return RouteDecision(least_loaded, "unmatched", 0)
+    if in_flight[best] - in_flight[least_loaded] > imbalance_threshold:
+        return RouteDecision(least_loaded, "spill", 0)
+    return RouteDecision(best, "affinity", matches[best])

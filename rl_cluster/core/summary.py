@@ -1,0 +1,89 @@
+"""What a run shows: one progress line per step, and the summary at the end. Pure functions."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+
+def step_record(step: int, logs: dict, policy_version: int, handoff_s: float | None) -> dict:
+    """The per-step metrics we keep (one line of metrics.jsonl), from TRL's logged dict."""
+    return {
+        "step": step,
+        "reward": logs.get("reward"),
+        "staleness": logs.get("sample/staleness_mean"),
+        "policy_version": policy_version,
+        "handoff_s": handoff_s,
+        "dropped_stale": logs.get("sample/dropped_stale_total") or 0.0,
+        "loss": logs.get("loss"),
+        "step_s": logs.get("perf/step_s"),
+        "rollout_wait_s": logs.get("perf/rollout_wait_s"),
+    }
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def progress_line(record: dict, max_steps: int) -> str:
+    return (
+        f"step {record['step']:>4}/{max_steps}  reward {_fmt(record['reward'], '.3f')}  "
+        f"staleness {_fmt(record['staleness'], '.2f')}  policy v{record['policy_version']}  "
+        f"handoff {_fmt(record['handoff_s'], '.3f')}s"
+    )
+
+
+def _mean(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return sum(values) / len(values) if values else None
+
+
+def fifths(values: list[float]) -> tuple[float | None, float | None]:
+    """Mean of the first and of the last fifth (at least one value each)."""
+    k = max(1, len(values) // 5)
+    return _mean(values[:k]), _mean(values[-k:])
+
+
+def summarize(trainer_result: dict, proxy_stats: dict, wall_time_s: float) -> dict:
+    history, syncs = trainer_result["history"], trainer_result["syncs"]
+    first, last = fifths([r["reward"] for r in history])
+    handoffs = [s["handoff_s"] for s in syncs]
+    gaps = [s["served_vs_trained_gap"] for s in syncs if "served_vs_trained_gap" in s]
+    replicas = proxy_stats["replicas"]
+    return {
+        "steps": len(history),
+        "wall_time_s": round(wall_time_s, 1),
+        "reward_first_fifth": first,
+        "reward_last_fifth": last,
+        "versions_published": [s["adapter"] for s in syncs],
+        "versions_loaded": {rid: sorted(r["adapters_ever_loaded"]) for rid, r in replicas.items()},
+        "requests": {rid: r["requests"] for rid, r in replicas.items()},
+        "served_vs_trained_gap": max(gaps) if gaps else None,
+        "handoff_s_p50": statistics.median(handoffs) if handoffs else None,
+        "handoff_s_max": max(handoffs) if handoffs else None,
+        "dropped_stale_samples": int(sum(r["dropped_stale"] for r in history)),
+        "mean_staleness": _mean([r["staleness"] for r in history]),
+        "routing": proxy_stats.get("routing", {}),
+    }
+
+
+def summary_table(summary: dict) -> str:
+    rows = [
+        ("steps", summary["steps"]),
+        ("wall time", f"{summary['wall_time_s']:.0f} s"),
+        ("reward, first fifth", _fmt(summary["reward_first_fifth"], ".3f")),
+        ("reward, last fifth", _fmt(summary["reward_last_fifth"], ".3f")),
+        ("versions published", len(summary["versions_published"])),
+        ("served vs trained gap", _fmt(summary["served_vs_trained_gap"], ".2e")),
+        (
+            "handoff p50 / max",
+            f"{_fmt(summary['handoff_s_p50'], '.3f')} / {_fmt(summary['handoff_s_max'], '.3f')} s",
+        ),
+        ("dropped stale samples", summary["dropped_stale_samples"]),
+        ("mean staleness", _fmt(summary["mean_staleness"], ".2f")),
+    ]
+    for rid, n in summary["requests"].items():
+        loaded = len(summary["versions_loaded"][rid])
+        rows.append((f"replica {rid}", f"{n} requests, {loaded} versions loaded"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

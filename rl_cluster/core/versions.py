@@ -1,0 +1,186 @@
+"""Adapter-version bookkeeping across replicas: what is loaded where, what may be routed, what may go.
+
+Pure logic (no HTTP, Ray or vLLM). The proxy calls it around every load, unload and request; the rules:
+- A replica's life: `joining` (registered) -> `catching_up` (loading every live adapter) -> `active`
+  -> `draining` (being removed: no new requests, in-flight ones finish) -> gone (forgotten).
+  An active replica that fails a health check becomes `unhealthy`: out of routing and of broadcasts at
+  once. When it answers again it goes back through `catching_up` (it may have restarted and lost its
+  adapters) to `active`. Only active replicas take new requests or count for routability.
+- An adapter name is routable once it was published: loaded and confirmed on every active replica.
+- Closing a name (an unload request) stops new requests for it at once; each replica unloads it when
+  its in-flight count for that name reaches zero, so no running generation loses its adapter.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from enum import StrEnum
+
+
+class ReplicaState(StrEnum):
+    JOINING = "joining"
+    CATCHING_UP = "catching_up"
+    ACTIVE = "active"
+    UNHEALTHY = "unhealthy"
+    DRAINING = "draining"
+
+
+class VersionBook:
+    """Who has which adapter, which names are routable, and in-flight counts per (replica, model)."""
+
+    def __init__(self) -> None:
+        self._state: dict[str, ReplicaState] = {}
+        self._loaded: dict[str, set[str]] = {}
+        self._ever_loaded: dict[str, set[str]] = {}
+        self._paths: dict[str, str] = {}  # published name -> path, for replicas that join later
+        self._closed: set[str] = set()
+        self._in_flight: Counter[tuple[str, str]] = Counter()
+        self._in_flight_total: Counter[str] = Counter()
+
+    # -- replicas -------------------------------------------------------------------------------------
+
+    def add_replica(self, replica_id: str) -> None:
+        if replica_id in self._state:
+            raise ValueError(f"replica {replica_id!r} is already registered")
+        self._state[replica_id] = ReplicaState.JOINING
+        self._loaded[replica_id] = set()
+        self._ever_loaded[replica_id] = set()
+
+    def activate(self, replica_id: str) -> None:
+        """The replica caught up: it must hold every routable adapter before it may take traffic."""
+        state = self._state[replica_id]
+        if state not in (ReplicaState.JOINING, ReplicaState.CATCHING_UP):
+            raise ValueError(f"replica {replica_id!r} is {state}: it cannot become active")
+        missing = self.routable() - self._loaded[replica_id]
+        if missing:
+            raise ValueError(f"replica {replica_id!r} cannot become active: it lacks {sorted(missing)}")
+        self._state[replica_id] = ReplicaState.ACTIVE
+
+    def begin_catch_up(self, replica_id: str) -> None:
+        """A joining replica starts loading the live adapters, or an unhealthy one answers again."""
+        state = self._state[replica_id]
+        if state not in (ReplicaState.JOINING, ReplicaState.UNHEALTHY):
+            raise ValueError(f"replica {replica_id!r} is {state}: only joining or unhealthy ones catch up")
+        self._state[replica_id] = ReplicaState.CATCHING_UP
+
+    def mark_unhealthy(self, replica_id: str) -> bool:
+        """Take a failing replica out of routing; True if that changed its state. A draining replica stays
+        draining (it is leaving anyway), and an unknown one (already gone) is ignored."""
+        if self._state.get(replica_id) not in (ReplicaState.ACTIVE, ReplicaState.CATCHING_UP):
+            return False
+        self._state[replica_id] = ReplicaState.UNHEALTHY
+        return True
+
+    def drain(self, replica_id: str) -> None:
+        self._state[replica_id] = ReplicaState.DRAINING
+
+    def remove_replica(self, replica_id: str) -> None:
+        for table in (self._state, self._loaded, self._ever_loaded):
+            table.pop(replica_id, None)
+        for key in [k for k in self._in_flight if k[0] == replica_id]:
+            del self._in_flight[key]
+        self._in_flight_total.pop(replica_id, None)
+        self._forget_fully_unloaded()
+
+    def state(self, replica_id: str) -> ReplicaState:
+        return self._state[replica_id]
+
+    def replicas(self) -> list[str]:
+        return sorted(self._state)
+
+    def active(self) -> list[str]:
+        return sorted(r for r, s in self._state.items() if s is ReplicaState.ACTIVE)
+
+    def in_state(self, *states: ReplicaState) -> list[str]:
+        return sorted(r for r, s in self._state.items() if s in states)
+
+    # -- adapters -------------------------------------------------------------------------------------
+
+    def mark_loaded(self, replica_id: str, name: str) -> None:
+        self._loaded[replica_id].add(name)
+        self._ever_loaded[replica_id].add(name)
+
+    def mark_unloaded(self, replica_id: str, name: str) -> None:
+        if replica_id in self._loaded:
+            self._loaded[replica_id].discard(name)
+        self._forget_fully_unloaded()
+
+    def publish(self, name: str, path: str) -> None:
+        """Make `name` routable; every active replica must have confirmed it."""
+        missing = [r for r in self.active() if name not in self._loaded[r]]
+        if missing:
+            raise ValueError(f"adapter {name!r} is not loaded on {missing}")
+        if name in self._closed:
+            raise ValueError(f"adapter {name!r} is being unloaded")
+        self._paths[name] = path
+
+    def known(self, name: str) -> bool:
+        """Published, or loaded on some replica (maybe closed and draining): the name is taken."""
+        return name in self._paths or any(name in loaded for loaded in self._loaded.values())
+
+    def is_routable(self, name: str) -> bool:
+        return name in self._paths and name not in self._closed
+
+    def routable(self) -> set[str]:
+        return set(self._paths) - self._closed
+
+    def live_adapters(self) -> dict[str, str]:
+        """Routable names and their paths: what a joining replica must load before it takes traffic."""
+        return {name: path for name, path in self._paths.items() if name not in self._closed}
+
+    def loaded_on(self, replica_id: str) -> set[str]:
+        return set(self._loaded[replica_id])
+
+    def ever_loaded_on(self, replica_id: str) -> set[str]:
+        return set(self._ever_loaded[replica_id])
+
+    def holders(self, name: str) -> list[str]:
+        return sorted(r for r, loaded in self._loaded.items() if name in loaded)
+
+    def eligible(self, model: str | None) -> list[str]:
+        """Active replicas that may serve `model` (None: the base model, which every replica serves)."""
+        if model is None:
+            return self.active()
+        if not self.is_routable(model):
+            return []
+        return [r for r in self.active() if model in self._loaded[r]]
+
+    def close(self, name: str) -> list[str]:
+        """Stop routing `name`; returns the replicas that can unload it right away (nothing in flight)."""
+        if not self.known(name):
+            raise KeyError(name)
+        self._closed.add(name)
+        return [r for r in self.holders(name) if self._in_flight[(r, name)] == 0]
+
+    def is_closed(self, name: str) -> bool:
+        return name in self._closed
+
+    def _forget_fully_unloaded(self) -> None:
+        for name in [n for n in self._closed if not self.holders(n)]:
+            self._closed.discard(name)
+            self._paths.pop(name, None)
+
+    # -- in-flight ------------------------------------------------------------------------------------
+
+    def begin(self, replica_id: str, model: str) -> None:
+        self._in_flight[(replica_id, model)] += 1
+        self._in_flight_total[replica_id] += 1
+
+    def end(self, replica_id: str, model: str) -> bool:
+        """A request finished. True when `model` is a closed adapter that this replica should unload now."""
+        if replica_id not in self._state:
+            return False  # removed while the request ran (forced removal after a drain timeout)
+        key = (replica_id, model)
+        if self._in_flight[key] <= 0:
+            raise ValueError(f"no request for {model!r} in flight on {replica_id!r}")
+        self._in_flight[key] -= 1
+        self._in_flight_total[replica_id] -= 1
+        if self._in_flight[key] == 0:
+            del self._in_flight[key]
+            return model in self._closed and model in self._loaded.get(replica_id, ())
+        return False
+
+    def in_flight(self, replica_id: str, model: str | None = None) -> int:
+        if model is None:
+            return self._in_flight_total[replica_id]
+        return self._in_flight[(replica_id, model)]

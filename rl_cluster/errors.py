@@ -1,0 +1,17 @@
+"""Errors that cross process boundaries (Ray actors, the proxy's HTTP answers). Plain and picklable."""
+
+
+class AdapterError(Exception):
+    """An adapter version could not be loaded on a replica; the message says which file and why."""
+
+
+class AdapterNotFound(AdapterError):
+    """The version is not (yet) visible: no complete manifest. Retryable, since a mounted bucket can lag."""
+
+
+class AdapterRejected(AdapterError):
+    """The version is visible but is not what was published, or does not fit the replica. Not retryable."""
+
+
+class BucketUnavailable(Exception):
+    """The bucket could not be reached after bounded retries."""

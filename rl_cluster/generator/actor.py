@@ -1,0 +1,118 @@
+"""GeneratorActor: one supervised vLLM server, and the gate adapters pass before it loads them.
+
+The proxy never asks vLLM to load a path directly: it asks this actor, which first fetches the version
+from the bucket (a copy into a local cache for s3://) and verifies its manifest against the model this
+replica serves. Only then does vLLM see the path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+from pathlib import Path
+
+import ray
+
+from rl_cluster.bucket import Bucket
+from rl_cluster.config import RunConfig
+from rl_cluster.core.manifest import base_model_fingerprint
+from rl_cluster.generator.server import ServerSpec, VLLMServer
+from rl_cluster.proxy.server import HttpReplicaControl
+from rl_cluster.tiny import resolve_model_path
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _serving_host() -> str:
+    """Loopback on a one-node cluster; the node's address when the proxy may be on another node."""
+    return "127.0.0.1" if len(ray.nodes()) <= 1 else ray.util.get_node_ip_address()
+
+
+class Generator:
+    def __init__(self, replica_id: str, config: RunConfig, log_dir: str):
+        self.replica_id = replica_id
+        self.config = config
+        self.log_dir = Path(log_dir)
+        self.bucket = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url)
+        self.server: VLLMServer | None = None
+        self.control: HttpReplicaControl | None = None
+        self.base_fingerprint = ""
+
+    async def start(self, replica_index: int) -> str:
+        """Start vLLM, wait until healthy, return its URL."""
+        g, model = self.config.generator, self.config.model
+        model_dir = await asyncio.to_thread(resolve_model_path, model.path)
+        self.base_fingerprint = base_model_fingerprint(
+            json.loads((Path(model_dir) / "config.json").read_text())
+        )
+        host = _serving_host()
+        use_gpu = g.num_gpus > 0
+        spec = ServerSpec(
+            model=str(model_dir),
+            port=_free_port(host),
+            host=host,
+            dtype=model.dtype,
+            max_model_len=model.max_model_len,
+            max_loras=g.max_loras,
+            max_lora_rank=g.max_lora_rank,
+            logprobs_mode=g.logprobs_mode,
+            enable_prefix_caching=g.enable_prefix_caching,
+            kv_cache_gb=g.kv_cache_gb,
+            cpu_core=(replica_index % (os.cpu_count() or 1)) if (g.pin_cpu_cores and not use_gpu) else None,
+            use_gpu=use_gpu,
+            gpu_memory_utilization=g.gpu_memory_utilization,
+            extra_args=tuple(g.extra_args),
+        )
+        self.server = VLLMServer(spec, self.log_dir / f"vllm-{self.replica_id}.log")
+        self.server.start()
+        await self.server.wait_healthy(g.startup_timeout_s)
+        self.control = HttpReplicaControl(self.server.url)
+        return self.server.url
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Fetch and verify `path` (raises AdapterNotFound / AdapterRejected), then load it into vLLM."""
+        local = await asyncio.to_thread(
+            self.bucket.fetch_verified,
+            path,
+            cache_dir=self.config.bucket.cache_dir,
+            base_fingerprint=self.base_fingerprint,
+            max_lora_rank=self.config.generator.max_lora_rank,
+        )
+        await self.control.load_adapter(name, str(local))
+
+    async def unload_adapter(self, name: str) -> None:
+        await self.control.unload_adapter(name)
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+GeneratorActor = ray.remote(Generator)
+
+
+class ActorReplicaControl:
+    """The proxy's handle on a replica whose loads go through its GeneratorActor (verify, then load)."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        try:
+            await self.actor.load_adapter.remote(name, path)
+        except ray.exceptions.RayTaskError as e:
+            # The proxy reports the replica's reason to its client: the cause, not Ray's traceback.
+            raise e.cause from None
+
+    async def unload_adapter(self, name: str) -> None:
+        try:
+            await self.actor.unload_adapter.remote(name)
+        except ray.exceptions.RayTaskError as e:
+            raise e.cause from None

@@ -1,0 +1,42 @@
+"""curves.png: reward and staleness per step, the two curves that say whether async RL is working."""
+
+from __future__ import annotations
+
+import io
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    out, acc = [], []
+    for v in values:
+        acc.append(v)
+        acc = acc[-window:]
+        out.append(sum(acc) / len(acc))
+    return out
+
+
+def curves_png(history: list[dict], title: str) -> bytes:
+    steps = [r["step"] for r in history if r["reward"] is not None]
+    rewards = [r["reward"] for r in history if r["reward"] is not None]
+    fig, (ax_r, ax_s) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    ax_r.plot(steps, rewards, alpha=0.35, label="reward (per step)")
+    ax_r.plot(steps, _smooth(rewards, max(1, len(rewards) // 10)), label="reward (moving mean)")
+    ax_r.set_ylabel("reward")
+    ax_r.legend(loc="lower right")
+    ax_r.set_title(title)
+    stale = [(r["step"], r["staleness"]) for r in history if r["staleness"] is not None]
+    ax_s.plot([s for s, _ in stale], [v for _, v in stale], color="tab:orange", label="mean staleness")
+    ax_s.plot([r["step"] for r in history], [r["policy_version"] for r in history], color="tab:green",
+              label="policy version")  # fmt: skip
+    ax_s.set_ylabel("versions")
+    ax_s.set_xlabel("optimizer step")
+    ax_s.legend(loc="upper left")
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    return buffer.getvalue()

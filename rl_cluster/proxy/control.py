@@ -1,0 +1,80 @@
+"""How the proxy loads and unloads adapters on one replica: the ReplicaControl protocol and its HTTP form."""
+
+from __future__ import annotations
+
+import json
+from typing import Protocol, runtime_checkable
+
+import aiohttp
+
+from rl_cluster.errors import AdapterError, AdapterNotFound, AdapterRejected
+
+# Control calls are bounded so that a hung replica turns into an error instead of a hung trainer.
+CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=600, sock_connect=10)
+
+
+@runtime_checkable
+class ReplicaControl(Protocol):
+    """How the proxy loads and unloads adapters on one replica. Raises rl_cluster.errors:
+    AdapterNotFound (retryable: not visible yet), AdapterRejected or AdapterError (a real failure)."""
+
+    async def load_adapter(self, name: str, path: str) -> None: ...
+
+    async def unload_adapter(self, name: str) -> None: ...
+
+
+def error_message(text: str) -> str:
+    """The human part of a vLLM error body ({"error": {"message": ...}} or {"error": "..."}), else the text."""
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        return text.strip()
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if isinstance(error, dict) and "message" in error:
+        return str(error["message"])
+    if isinstance(payload, dict) and ("error" in payload or "detail" in payload):
+        return str(payload.get("error") or payload.get("detail"))
+    return text.strip()
+
+
+class HttpReplicaControl:
+    """Loads and unloads adapters through a vLLM server's runtime LoRA endpoints."""
+
+    def __init__(self, url: str, session: aiohttp.ClientSession | None = None):
+        self.url = url.rstrip("/")
+        self._session = session  # None: a short-lived session per call
+
+    async def _post(self, path: str, payload: dict) -> tuple[int, str]:
+        session = self._session or aiohttp.ClientSession()
+        try:
+            async with session.post(self.url + path, json=payload, timeout=CONTROL_TIMEOUT) as response:
+                return response.status, await response.text()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise AdapterError(f"replica {self.url} unreachable for {path}: {type(e).__name__}: {e}") from e
+        finally:
+            if session is not self._session:
+                await session.close()
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        # load_inplace stays False: names are never reused for different weights (vLLM keys its prefix
+        # cache by adapter name), and in-place loading re-reads the adapter from disk on every request.
+        status, text = await self._post(
+            "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": False}
+        )
+        if status == 200:
+            return
+        message = error_message(text)
+        # vLLM answers a path it cannot find with 404 "... No adapter found for <path>"; a 404 without that
+        # phrase means the route itself is missing (VLLM_ALLOW_RUNTIME_LORA_UPDATING unset): not retryable.
+        if status == 404 and "No adapter found" in message:
+            raise AdapterNotFound(f"{self.url}: {message}")
+        raise AdapterRejected(f"{self.url}: HTTP {status}: {message}")
+
+    async def unload_adapter(self, name: str) -> None:
+        status, text = await self._post("/v1/unload_lora_adapter", {"lora_name": name})
+        if status == 200:
+            return
+        message = error_message(text)
+        if status == 404:
+            raise AdapterNotFound(f"{self.url}: {message}")
+        raise AdapterRejected(f"{self.url}: HTTP {status}: {message}")

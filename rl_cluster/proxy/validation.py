@@ -1,0 +1,190 @@
+"""Checks the proxy makes on a request before anything reaches a replica.
+
+Nothing malformed should reach vLLM: a request the proxy understands is checked here and refused with a 400
+in vLLM's error shape, so every 5xx a client sees comes from a replica that failed, never from a bad request.
+Fields the proxy does not understand are left to vLLM, which answers its own 400s for them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+# Deeper than any real request (chat content parts are 4-5 levels); bounds the work of every later walk.
+MAX_JSON_DEPTH = 32
+MAX_ADAPTER_NAME = 256
+MAX_INT32 = 2**31 - 1
+PAUSE_MODES = frozenset({"abort", "wait", "keep"})
+BOOL_WORDS = frozenset({"true", "false", "1", "0", "yes", "no", "on", "off"})
+
+
+class Invalid(ValueError):
+    """A request the proxy refuses with 400; `param` names the offending field when there is one."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """Strict JSON (no NaN/Infinity), an object, at most MAX_JSON_DEPTH deep, with UTF-8 encodable strings."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constants)
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the parser's stack
+        raise Invalid(f"request body is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(body, dict):
+        raise Invalid("request body must be a JSON object")
+    _check_tree(body)
+    return body
+
+
+def _check_tree(root: Any) -> None:
+    """Depth and string checks without recursion (the depth is what we are bounding)."""
+    stack = [(root, 1)]
+    while stack:
+        node, depth = stack.pop()  # depth: how many objects/arrays enclose `node`, itself included
+        if isinstance(node, (dict, list)) and depth > MAX_JSON_DEPTH:
+            raise Invalid(f"request body nests deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(node, dict):
+            for key, value in node.items():
+                _check_string(key)
+                stack.append((value, depth + 1))
+        elif isinstance(node, list):
+            stack.extend((item, depth + 1) for item in node)
+        elif isinstance(node, str):
+            _check_string(node)
+
+
+def _check_string(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate escape (\ud800): tokenizers fail on it
+        raise Invalid("request body contains a string that is not valid Unicode") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_int(t) and 0 <= t <= MAX_INT32 for t in value)
+
+
+def _check_prompt(prompt: Any) -> None:
+    ok = (
+        (isinstance(prompt, str) and prompt != "")
+        or _token_ids(prompt)
+        or (
+            isinstance(prompt, list)
+            and bool(prompt)
+            and (all(isinstance(p, str) and p != "" for p in prompt) or all(_token_ids(p) for p in prompt))
+        )
+    )
+    if not ok:
+        raise Invalid(
+            "'prompt' must be a non-empty string, a non-empty list of token ids (0 <= id < 2**31), "
+            "or a non-empty list of either",
+            "prompt",
+        )
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise Invalid("'messages' must be a non-empty list of message objects", "messages")
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise Invalid("each message must be an object with a string 'role'", "messages")
+        content = message.get("content")
+        if not (
+            content is None
+            or isinstance(content, str)
+            or (isinstance(content, list) and all(isinstance(part, dict) for part in content))
+        ):
+            raise Invalid(
+                "a message's 'content' must be a string, null, or a list of content parts", "messages"
+            )
+
+
+def check_generation(route: str, body: dict, *, max_n: int) -> None:
+    """The fields of a /v1/completions or /v1/chat/completions body the proxy routes on or bounds."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise Invalid("'model' must be a string", "model")
+    if route.endswith("/chat/completions"):
+        _check_messages(body.get("messages"))
+    else:
+        _check_prompt(body.get("prompt"))
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = body.get(field)
+        if value is None:
+            continue
+        # No bound by the context length: vLLM itself caps max_tokens at what the context leaves, and
+        # clients rely on that. Absurd integers are refused before they reach anything that overflows.
+        if not _is_int(value) or not 1 <= value <= MAX_INT32:
+            raise Invalid(f"'{field}' must be an integer from 1 to {MAX_INT32}", field)
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or not 1 <= n <= max_n):
+        raise Invalid(f"'n' must be an integer from 1 to {max_n}", "n")
+    temperature = body.get("temperature")
+    if temperature is not None and (not _is_number(temperature) or temperature < 0):
+        raise Invalid("'temperature' must be a finite number >= 0", "temperature")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise Invalid("'stream' must be a boolean", "stream")
+
+
+def check_adapter_name(name: Any, param: str = "lora_name") -> str:
+    if not isinstance(name, str) or not name:
+        raise Invalid(f"'{param}' must be a non-empty string", param)
+    if len(name) > MAX_ADAPTER_NAME or not name.isprintable() or "/" in name:
+        raise Invalid(f"'{param}' must be at most {MAX_ADAPTER_NAME} printable characters without '/'", param)
+    return name
+
+
+def check_adapter_path(path: Any, root: str | None) -> str:
+    """`path` must be a string naming a place inside the bucket `root` (when the proxy knows one).
+
+    s3:// roots: the URI must start with the root and have no '.'/'..' segments. Directory roots: the path
+    is resolved (symlinks included) and must stay inside the resolved root. The path is checked on the
+    proxy's node, which sees the bucket at the same path as the replicas (DESIGN.md); the replicas get the
+    path as it was given.
+    """
+    if not isinstance(path, str) or not path:
+        raise Invalid("'lora_path' must be a non-empty string", "lora_path")
+    if "\0" in path or not path.isprintable():
+        raise Invalid("'lora_path' contains control characters", "lora_path")
+    if root is None:
+        return path
+    if root.startswith("s3://"):
+        prefix = root.rstrip("/") + "/"
+        segments = path.removeprefix(prefix).split("/")
+        if not path.startswith(prefix) or any(s in ("", ".", "..") for s in segments):
+            raise Invalid(f"'lora_path' must be an object prefix under {prefix}", "lora_path")
+        return path
+    if not os.path.isabs(path):
+        raise Invalid("'lora_path' must be an absolute path in the bucket", "lora_path")
+    real_root = os.path.realpath(root)
+    if os.path.commonpath([real_root, os.path.realpath(path)]) != real_root:
+        raise Invalid(f"'lora_path' must lie inside the bucket {root}", "lora_path")
+    return path
+
+
+def check_pause_query(query: dict[str, str]) -> None:
+    """The query parameters vLLM's /pause takes (mode, clear_cache); anything else is refused."""
+    unknown = set(query) - {"mode", "clear_cache"}
+    if unknown:
+        raise Invalid(f"unknown /pause parameters: {sorted(unknown)}")
+    if "mode" in query and query["mode"] not in PAUSE_MODES:
+        raise Invalid(f"'mode' must be one of {sorted(PAUSE_MODES)}", "mode")
+    if "clear_cache" in query and query["clear_cache"].lower() not in BOOL_WORDS:
+        raise Invalid("'clear_cache' must be a boolean", "clear_cache")

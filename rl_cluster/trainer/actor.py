@@ -1,0 +1,165 @@
+"""TrainerActor: builds TRL's AsyncGRPOTrainer for a run config and trains against the proxy."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+
+from rl_cluster.bucket import Bucket
+from rl_cluster.config import RunConfig
+from rl_cluster.core.manifest import base_model_fingerprint
+from rl_cluster.core.summary import progress_line, step_record
+from rl_cluster.tiny import make_prompts, resolve_model_path
+from rl_cluster.trainer.check import served_vs_trained_gap
+from rl_cluster.trainer.proxy_client import ProxyClient
+
+
+def import_function(path: str):
+    """`package.module:function` -> the function (reward functions must be importable, not closures)."""
+    module, _, name = path.partition(":")
+    if not name:
+        raise ValueError(f"reward {path!r} must look like package.module:function")
+    return getattr(importlib.import_module(module), name)
+
+
+def load_prompts(config: RunConfig):
+    from datasets import Dataset
+
+    task = config.task
+    if task.prompts == "jsonl":
+        rows = [json.loads(line) for line in Path(task.jsonl_path).read_text().splitlines() if line.strip()]
+    else:
+        rows = make_prompts(task.num_prompts, seed=config.trainer.seed)
+    return Dataset.from_list(rows)
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, proxy_url: str):
+        self.config = config
+        self.proxy_url = proxy_url
+        self.proxy = ProxyClient(proxy_url, config.proxy.auth_token)
+        self.bucket = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url)
+        self.history: list[dict] = []
+        self.syncs: list[dict] = []
+        self.last_sync: dict = {}
+        self.trainer = None
+        self._check_prompt_ids: list[int] = []
+
+    # -- reporting -------------------------------------------------------------------------------------
+    def _on_step(self, step: int, logs: dict) -> None:
+        record = step_record(step, logs, self.trainer.model_version, self.last_sync.get("handoff_s"))
+        self.history.append(record)
+        print(progress_line(record, self.config.trainer.max_steps), flush=True)
+        if step % 10 == 0:
+            self._write_metrics()
+
+    def _write_metrics(self) -> None:
+        lines = "".join(json.dumps(r) + "\n" for r in self.history)
+        self.bucket.write_text(self.config.run_name, "metrics.jsonl", lines)
+
+    def _on_sync(self, version: int, name: str, timings: dict) -> None:
+        record = {"version": version, "adapter": name, **timings}
+        check = self.config.check
+        if version % check.every_syncs == 0 or version == 1:
+            replicas = self.proxy.active_replica_urls()
+            gaps = served_vs_trained_gap(
+                self.trainer.accelerator.unwrap_model(self.trainer.model),
+                replicas,
+                name,
+                self._check_prompt_ids,
+                check.samples,
+                self.config.trainer.max_new_tokens,
+            )
+            record["served_vs_trained_gap"] = max(gaps.values())
+            if not record["served_vs_trained_gap"] <= check.tolerance:
+                print(
+                    "\n" + "!" * 100 + f"\n!!! SERVED != TRAINED: {name} logprob gap {gaps} exceeds "
+                    f"{check.tolerance}. The replicas do not serve the adapter the trainer trained; importance "
+                    "ratios of this run are wrong.\n" + "!" * 100 + "\n",
+                    flush=True,
+                )
+        self.syncs.append(record)
+        self.last_sync = record
+
+    # -- training --------------------------------------------------------------------------------------
+    def train(self) -> dict:
+        from peft import LoraConfig
+        from transformers import PrinterCallback
+        from trl.experimental.async_grpo import AsyncGRPOConfig
+
+        from rl_cluster.trainer.compat import apply_trainer_workarounds, training_precision_kwargs
+        from rl_cluster.trainer.grpo import BucketSyncTrainer, StepReporter
+
+        apply_trainer_workarounds()
+        c = self.config
+        t = c.trainer
+        model_dir = resolve_model_path(c.model.path)
+        fingerprint = base_model_fingerprint(json.loads((Path(model_dir) / "config.json").read_text()))
+        output_dir = tempfile.mkdtemp(prefix=f"rl_cluster-{c.run_name}-")
+        args = AsyncGRPOConfig(
+            output_dir=output_dir,
+            vllm_server_base_url=self.proxy_url,
+            learning_rate=t.learning_rate,
+            lr_scheduler_type=t.lr_scheduler,
+            adam_beta2=t.adam_beta2,
+            num_generations=t.num_generations,
+            per_device_train_batch_size=t.completions_per_step,
+            max_completion_length=t.max_new_tokens,
+            temperature=t.temperature,
+            max_staleness=t.max_staleness,
+            queue_maxsize=t.completions_per_step * t.queue_steps,
+            weight_sync_steps=t.sync_every,
+            max_steps=t.max_steps,
+            seed=t.seed,
+            gradient_checkpointing=t.gradient_checkpointing,
+            token_budget=t.token_budget,
+            dtype=c.model.dtype,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            **training_precision_kwargs(),
+        )
+        lora = LoraConfig(
+            r=c.lora.rank,
+            lora_alpha=c.lora.alpha,
+            target_modules=c.lora.target_modules,
+            lora_dropout=c.lora.dropout,
+            task_type="CAUSAL_LM",
+        )
+        dataset = load_prompts(c)
+        self.trainer = BucketSyncTrainer(
+            model=str(model_dir),
+            reward_funcs=[import_function(r) for r in c.task.rewards],
+            args=args,
+            train_dataset=dataset,
+            peft_config=lora,
+            callbacks=[StepReporter(self._on_step)],
+            run_name=c.run_name,
+            bucket=self.bucket,
+            proxy=self.proxy,
+            base_model=c.model.path,
+            base_fingerprint=fingerprint,
+            keep_every=c.bucket.keep_every,
+            on_sync=self._on_sync,
+        )
+        # Our StepReporter prints one line per step; the default printer would add a dict per step.
+        self.trainer.remove_callback(PrinterCallback)
+        tokenizer = self.trainer.processing_class
+        self._check_prompt_ids = tokenizer.apply_chat_template(
+            dataset[0]["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        start = time.time()
+        try:
+            self.trainer.train()
+        finally:
+            self._write_metrics()
+        return {"history": self.history, "syncs": self.syncs, "train_wall_s": time.time() - start}
+
+
+TrainerActor = ray.remote(Trainer)

@@ -1,0 +1,79 @@
+"""Served = trained: are the logprobs vLLM serves under a version the ones the trainer computes?
+
+After a sync, each replica samples a few completions under the new adapter name with logprobs; the
+trainer recomputes the same tokens' logprobs with its model (whose adapter is exactly the one just
+published: no optimizer step runs inside a sync). In fp32 the two agree to ~1e-6. A large gap means a
+replica serves something other than what was trained (a stale adapter, a wrong base, a dtype or
+template mismatch) and every importance ratio of the run is wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import requests
+import torch
+
+
+def sample_from_replica(url: str, adapter: str, prompt_ids: list[int], n: int, max_tokens: int) -> list[dict]:
+    """n sampled completions (token ids and their logprobs) from one replica, at temperature 1 so that
+    vLLM's processed logprobs are the plain log-softmax."""
+    response = requests.post(
+        f"{url}/v1/completions",
+        json={
+            "model": adapter,
+            "prompt": prompt_ids,
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "logprobs": 0,
+            "return_token_ids": True,
+        },
+        timeout=120,
+    )
+    response.raise_for_status()
+    return [
+        {"token_ids": c["token_ids"], "logprobs": c["logprobs"]["token_logprobs"]}
+        for c in response.json()["choices"]
+        if c["token_ids"]
+    ]
+
+
+@contextlib.contextmanager
+def plain_attention(model):
+    """Run a model built with TRL's packed tree attention with standard SDPA attention for a moment."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    previous = inner.config._attn_implementation
+    inner.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        inner.set_attn_implementation(previous)
+
+
+@torch.no_grad()
+def trainer_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
+    input_ids = torch.tensor([prompt_ids + completion_ids], device=model.device)
+    logits = model(input_ids=input_ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return logprobs.gather(-1, torch.tensor(completion_ids, device=model.device)[:, None])[:, 0].cpu()
+
+
+def served_vs_trained_gap(model, replica_urls: list[str], adapter: str, prompt_ids: list[int], n: int,
+                          max_tokens: int) -> dict[str, float]:  # fmt: skip
+    """Mean absolute logprob difference per replica over n sampled completions."""
+    was_training = model.training
+    model.eval()
+    gaps = {}
+    try:
+        with plain_attention(model):
+            for url in replica_urls:
+                diffs = []
+                for sample in sample_from_replica(url, adapter, prompt_ids, n, max_tokens):
+                    ours = trainer_logprobs(model, prompt_ids, sample["token_ids"])
+                    diffs.append((ours - torch.tensor(sample["logprobs"])).abs())
+                gaps[url] = float(torch.cat(diffs).mean()) if diffs else float("nan")
+    finally:
+        model.train(was_training)
+    return gaps

@@ -1,0 +1,43 @@
+"""The trainer's calls to the proxy's control routes.
+
+TRL's VLLMClient sends no Authorization header, so with `proxy.auth_token` set its load/unload calls
+would get 401; the trainer's adapter lifecycle uses this client instead (TRL's stays for the
+read-only probes: /health, /server_info, /v1/models).
+"""
+
+from __future__ import annotations
+
+import requests
+
+
+class ProxyControlError(RuntimeError):
+    pass
+
+
+class ProxyClient:
+    def __init__(self, url: str, auth_token: str | None = None, timeout_s: float = 600.0):
+        self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
+        self.timeout_s = timeout_s
+
+    def _post(self, route: str, payload: dict) -> None:
+        response = requests.post(
+            f"{self.url}{route}", json=payload, headers=self.headers, timeout=self.timeout_s
+        )
+        if response.status_code != 200:
+            raise ProxyControlError(
+                f"proxy {route} {payload} failed: HTTP {response.status_code}: {response.text}"
+            )
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Returns once every active replica verified and loaded `name`; it is routable from then on."""
+        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    def unload_adapter(self, name: str) -> None:
+        """Closes `name` to new requests; replicas unload it once its in-flight requests finish."""
+        self._post("/v1/unload_lora_adapter", {"lora_name": name})
+
+    def active_replica_urls(self) -> list[str]:
+        response = requests.get(f"{self.url}/replicas", headers=self.headers, timeout=30)
+        response.raise_for_status()
+        return [r["url"] for r in response.json()["replicas"].values() if r["state"] == "active"]

@@ -1,0 +1,93 @@
+"""GeneratorActor on a real local Ray and a real vLLM CPU server: it refuses adapters that are not what
+was published, keeps serving the previous version, and its vLLM process tree dies with it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+import ray
+import requests
+
+from rl_cluster.bucket import Bucket
+from rl_cluster.config import load_config
+from rl_cluster.core.manifest import base_model_fingerprint
+from rl_cluster.errors import AdapterRejected
+from rl_cluster.generator.actor import GeneratorActor
+
+
+def vllm_pids() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "vllm.entrypoints"], capture_output=True, text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+def save_lora(model_dir, out_dir, seed: int):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    peft = get_peft_model(model, LoraConfig(r=1, lora_alpha=2, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # make the adapter change outputs
+    peft.save_pretrained(out_dir)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, resources={"generator": 1}, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+async def test_generator_verifies_loads_and_dies_cleanly(local_ray, tiny_model_dir, tmp_path):
+    run = "gen-test"
+    config = load_config(
+        None,
+        [
+            f"run_name={run}",
+            f"model.path={tiny_model_dir}",
+            f"bucket.uri={tmp_path / 'bucket'}",
+            "generator.replicas=1",
+        ],
+    )
+    bucket = Bucket(config.bucket.uri)
+    fingerprint = base_model_fingerprint(json.loads((tiny_model_dir / "config.json").read_text()))
+    uris = {}
+    for version in (1, 2):
+        save_lora(tiny_model_dir, tmp_path / f"src{version}", seed=version)
+        uris[version] = bucket.publish_adapter(
+            run, run, version, tmp_path / f"src{version}", base_model=str(tiny_model_dir),
+            base_fingerprint=fingerprint, rank=1, alpha=2, target_modules="all-linear", trainer_step=version,
+        )  # fmt: skip
+    before = vllm_pids()
+    actor = GeneratorActor.options(num_cpus=0, resources={"generator": 1}).remote("g0", config, str(tmp_path))
+    url = await actor.start.remote(0)
+    assert vllm_pids() - before, "the actor's vLLM server should be running"
+
+    await actor.load_adapter.remote(f"{run}-v1", uris[1])
+    prompt = {"model": f"{run}-v1", "prompt": "1+2=", "max_tokens": 4, "temperature": 0}
+    assert requests.post(f"{url}/v1/completions", json=prompt, timeout=60).status_code == 200
+
+    # A flipped byte in v2 is refused with the file named, and v1 keeps serving.
+    weights = tmp_path / "bucket" / run / "adapters" / f"{run}-v2" / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(AdapterRejected, match="adapter_model.safetensors"):
+        await actor.load_adapter.remote(f"{run}-v2", uris[2])
+    models = requests.get(f"{url}/v1/models", timeout=30).json()["data"]
+    assert {m["id"] for m in models} >= {f"{run}-v1"} and f"{run}-v2" not in {m["id"] for m in models}
+    assert requests.post(f"{url}/v1/completions", json=prompt, timeout=60).status_code == 200
+
+    # Killed without a shutdown call (as `ray.kill` or a dead node would): the watchdog ends vLLM.
+    ray.kill(actor)
+    deadline = time.time() + 45
+    while vllm_pids() - before and time.time() < deadline:
+        time.sleep(1)
+    assert not vllm_pids() - before, "vLLM outlived its actor"

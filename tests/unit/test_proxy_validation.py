@@ -1,0 +1,166 @@
+"""The proxy's request checks (pure, milliseconds): what it refuses before anything reaches a replica."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from rl_cluster.proxy.validation import (
+    MAX_JSON_DEPTH,
+    Invalid,
+    check_adapter_name,
+    check_adapter_path,
+    check_generation,
+    check_pause_query,
+    parse_json_object,
+)
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+def generation_ok(route: str, body: dict) -> bool:
+    try:
+        check_generation(route, body, max_n=16)
+    except Invalid:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"{", b"[1]", b'"x"', b"null", b'{"a": NaN}', b'{"a": Infinity}', b"\xff\xfe", b'{"a": "\\ud800"}',
+     b"[" * 100_000, b'{"a":' * 50 + b"1" + b"}" * 50],
+)  # fmt: skip
+def test_bad_json_is_refused(raw):
+    with pytest.raises(Invalid):
+        parse_json_object(raw)
+
+
+def test_depth_limit_is_exact():
+    nested = {"a": 1}
+    for _ in range(MAX_JSON_DEPTH - 1):
+        nested = {"a": nested}
+    assert parse_json_object(json.dumps(nested).encode())
+    with pytest.raises(Invalid, match="deeper"):
+        parse_json_object(json.dumps({"a": nested}).encode())
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "1+1"},
+        {"prompt": [1, 2, 3], "max_tokens": 8, "n": 16, "temperature": 0},
+        {"prompt": ["a", "b"], "model": "m", "stream": True, "max_tokens": 10**6},
+        {"prompt": [[1], [2, 3]], "temperature": 1.5, "unknown_field": {"x": 1}},
+    ],
+)
+def test_good_completions_pass(body):
+    assert generation_ok(COMPLETIONS, body)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {},
+        {"prompt": ""},
+        {"prompt": []},
+        {"prompt": [1, -1]},
+        {"prompt": [1, True]},
+        {"prompt": [1, 2**40]},
+        {"prompt": [["a"], [1]]},
+        {"prompt": {"a": 1}},
+        {"prompt": 5},
+        {"prompt": "x", "model": 5},
+        {"prompt": "x", "max_tokens": 0},
+        {"prompt": "x", "max_tokens": -3},
+        {"prompt": "x", "max_tokens": 2.5},
+        {"prompt": "x", "max_tokens": "8"},
+        {"prompt": "x", "max_tokens": 10**30},
+        {"prompt": "x", "n": 0},
+        {"prompt": "x", "n": 17},
+        {"prompt": "x", "n": True},
+        {"prompt": "x", "temperature": -0.1},
+        {"prompt": "x", "temperature": "hot"},
+        {"prompt": "x", "stream": "yes"},
+    ],
+)
+def test_bad_completions_are_refused(body):
+    assert not generation_ok(COMPLETIONS, body)
+
+
+def test_chat_messages():
+    assert generation_ok(CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4})
+    assert generation_ok(CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
+    for messages in (
+        None,
+        [],
+        "hi",
+        [1],
+        [{"content": "x"}],
+        [{"role": 3}],
+        [{"role": "user", "content": 5}],
+    ):
+        assert not generation_ok(CHAT, {"messages": messages}), messages
+    assert not generation_ok(CHAT, {"messages": [{"role": "user"}], "max_completion_tokens": 0})
+
+
+def test_adapter_names():
+    assert check_adapter_name("run-v3") == "run-v3"
+    for name in ("", None, 5, "a/b", "x" * 300, "tab\there", "nl\n"):
+        with pytest.raises(Invalid):
+            check_adapter_name(name)
+
+
+def test_adapter_paths_stay_inside_a_directory_bucket(tmp_path):
+    root = tmp_path / "bucket"
+    (root / "run" / "adapters" / "a-v1").mkdir(parents=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.symlink(outside, root / "run" / "escape")
+    os.symlink("/etc", root / "etc-link")
+    good = str(root / "run" / "adapters" / "a-v1")
+    assert check_adapter_path(good, str(root)) == good
+    assert check_adapter_path(str(root / "run" / "not-yet-there"), str(root))  # may appear later
+    for bad in (
+        str(root / ".." / "outside"),
+        f"{root}/run/../../outside",
+        str(root / "run" / "escape"),
+        str(root / "run" / "escape" / "x"),
+        str(root / "etc-link"),
+        "../../etc",
+        "relative/in/bucket",
+        str(tmp_path / "bucket-sibling"),
+        "/etc/passwd",
+        f"{good}\0",
+        "s3://bucket/run",
+        "",
+        7,
+    ):
+        with pytest.raises(Invalid):
+            check_adapter_path(bad, str(root))
+    assert check_adapter_path("/anywhere", None) == "/anywhere"  # no bucket known: any path
+
+
+def test_adapter_paths_stay_inside_an_s3_bucket():
+    root = "s3://bucket/prefix"
+    assert check_adapter_path("s3://bucket/prefix/run/adapters/a-v1", root)
+    for bad in (
+        "s3://bucket/prefix",
+        "s3://bucket/prefix2/x",
+        "s3://other/prefix/x",
+        "s3://bucket/prefix/../x",
+        "s3://bucket/prefix/a//b",
+        "/local/path",
+    ):
+        with pytest.raises(Invalid):
+            check_adapter_path(bad, root)
+
+
+def test_pause_query():
+    check_pause_query({})
+    check_pause_query({"mode": "keep", "clear_cache": "false"})
+    for query in ({"mode": "later"}, {"clear_cache": "maybe"}, {"mode": "keep", "x": "1"}):
+        with pytest.raises(Invalid):
+            check_pause_query(query)

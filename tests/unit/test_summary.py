@@ -1,0 +1,53 @@
+from rl_cluster.core.summary import fifths, progress_line, step_record, summarize, summary_table
+
+
+def history(rewards):
+    return [
+        step_record(
+            i + 1, {"reward": r, "sample/staleness_mean": 1.0, "sample/dropped_stale_total": 2.0}, i, 0.1
+        )
+        for i, r in enumerate(rewards)
+    ]
+
+
+def test_fifths_average_whole_fifths_not_single_steps():
+    assert fifths([0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]) == (0.0, 1.0)
+    assert fifths([0.5]) == (0.5, 0.5)
+    assert fifths([0.2, None, 0.4]) == (0.2, 0.4)
+
+
+def test_progress_line_names_what_a_step_did():
+    line = progress_line(history([0.25])[0], 150)
+    assert line.startswith("step    1/150") and "reward 0.250" in line and "policy v0" in line
+    assert "handoff 0.100s" in line
+    assert "reward -" in progress_line(step_record(3, {}, 1, None), 10)
+
+
+def test_summary_has_the_documented_fields():
+    result = {
+        "history": history([0.1] * 5 + [0.6] * 5),
+        "syncs": [
+            {"version": 1, "adapter": "r-v1", "handoff_s": 0.2, "served_vs_trained_gap": 1e-7},
+            {"version": 2, "adapter": "r-v2", "handoff_s": 0.4},
+            {"version": 3, "adapter": "r-v3", "handoff_s": 0.3, "served_vs_trained_gap": 3e-7},
+        ],
+    }
+    stats = {
+        "replicas": {
+            "g0": {"requests": 10, "adapters_ever_loaded": ["r-v2", "r-v1", "r-v3"]},
+            "g1": {"requests": 7, "adapters_ever_loaded": ["r-v1", "r-v2", "r-v3"]},
+        },
+        "routing": {"affinity": 5, "spill": 1, "unmatched": 2},
+    }
+    s = summarize(result, stats, 12.34)
+    assert s["steps"] == 10 and s["wall_time_s"] == 12.3
+    assert (s["reward_first_fifth"], s["reward_last_fifth"]) == (0.1, 0.6)
+    assert s["versions_published"] == ["r-v1", "r-v2", "r-v3"]
+    assert s["versions_loaded"]["g0"] == ["r-v1", "r-v2", "r-v3"]
+    assert s["requests"] == {"g0": 10, "g1": 7}
+    assert s["served_vs_trained_gap"] == 3e-7
+    assert s["handoff_s_p50"] == 0.3
+    assert s["dropped_stale_samples"] == 20
+    assert s["routing"]["affinity"] == 5
+    table = summary_table(s)
+    assert "reward, last fifth     0.600" in table and "replica g1" in table
