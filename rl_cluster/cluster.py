@@ -55,12 +55,13 @@ class Cluster:
     trainer: object | None = None
 
     async def shutdown(self) -> None:
-        """Stop vLLM servers first (the expensive processes), then kill the actors."""
+        """Stop the proxy (so it does not report replicas going away as failures), then the vLLM servers,
+        then kill the actors. Best effort at each stage: a failure must not leave the rest running."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.proxy.stop.remote(), timeout=10)
         stops = [g.shutdown.remote() for g in self.generators]
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.gather(*stops, return_exceptions=True), timeout=60)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.proxy.stop.remote(), timeout=10)
         for actor in [*self.generators, self.proxy, self.trainer]:
             if actor is not None:
                 with contextlib.suppress(Exception):

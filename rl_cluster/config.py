@@ -142,8 +142,9 @@ class ProxyConfig(Section):
     health_interval_s: float = Field(5.0, gt=0)
     """Seconds between health checks of the replicas (GET /health). A replica that fails one leaves
     routing at once; when it answers again it reloads every live adapter version before it takes traffic."""
-    health_timeout_s: float = Field(5.0, gt=0)
-    """Seconds a replica's /health may take before the check counts as failed."""
+    health_timeout_s: float = Field(10.0, gt=0)
+    """Seconds a replica's /health may take before the check counts as failed (generous: a busy CPU host
+    answers slowly, and a false alarm costs a catch-up)."""
     num_cpus: float = Field(0.0, ge=0)
     """CPUs the proxy actor reserves."""
 

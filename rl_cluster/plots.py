@@ -30,11 +30,15 @@ def curves_png(history: list[dict], title: str) -> bytes:
     ax_r.set_title(title)
     stale = [(r["step"], r["staleness"]) for r in history if r["staleness"] is not None]
     ax_s.plot([s for s, _ in stale], [v for _, v in stale], color="tab:orange", label="mean staleness")
-    ax_s.plot([r["step"] for r in history], [r["policy_version"] for r in history], color="tab:green",
-              label="policy version")  # fmt: skip
-    ax_s.set_ylabel("versions")
+    ax_s.set_ylabel("staleness (versions)")
     ax_s.set_xlabel("optimizer step")
     ax_s.legend(loc="upper left")
+    # The version grows with the run; on its own axis it does not flatten the staleness curve.
+    ax_v = ax_s.twinx()
+    ax_v.plot(
+        [r["step"] for r in history], [r["policy_version"] for r in history], color="tab:green", alpha=0.6
+    )
+    ax_v.set_ylabel("policy version", color="tab:green")
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)

@@ -7,8 +7,12 @@ server's state (load adapters, pause) must undo it or use names of their own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -54,3 +58,43 @@ def vllm_servers(tiny_model_dir, tmp_path_factory) -> list[VLLMServer]:
     finally:
         for server in servers:
             server.stop()
+
+
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+@contextlib.contextmanager
+def moto_s3(bucket: str):
+    """A real S3-compatible server (moto) on a free loopback port with one bucket; yields its endpoint.
+    Needs S3_ENV in the environment (moto accepts any credentials, s3fs insists on some)."""
+    import boto3
+
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-p", str(port), "-H", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.create_bucket(Bucket=bucket)  # no location constraint: moto refuses one
+                break
+            except Exception:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise
+                time.sleep(0.1)
+        yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import ray
 
-from rl_cluster.bucket import Bucket
+from rl_cluster.bucket import Bucket, apply_cache_retention
 from rl_cluster.config import RunConfig
-from rl_cluster.core.manifest import base_model_fingerprint
+from rl_cluster.core.manifest import base_model_fingerprint, split_adapter_dir_name
 from rl_cluster.generator.server import ServerSpec, VLLMServer
 from rl_cluster.proxy.server import HttpReplicaControl
 from rl_cluster.tiny import resolve_model_path
@@ -43,6 +43,8 @@ class Generator:
         self.server: VLLMServer | None = None
         self.control: HttpReplicaControl | None = None
         self.base_fingerprint = ""
+        self.loaded: set[str] = set()
+        self.last_unloaded: str | None = None
 
     async def start(self, replica_index: int) -> str:
         """Start vLLM, wait until healthy, return its URL."""
@@ -80,14 +82,38 @@ class Generator:
         local = await asyncio.to_thread(
             self.bucket.fetch_verified,
             path,
-            cache_dir=self.config.bucket.cache_dir,
+            # One cache per replica: replicas on one machine must not share half-downloaded copies.
+            cache_dir=Path(self.config.bucket.cache_dir) / self.replica_id,
             base_fingerprint=self.base_fingerprint,
             max_lora_rank=self.config.generator.max_lora_rank,
         )
         await self.control.load_adapter(name, str(local))
+        self.loaded.add(name)
+        if self.bucket.is_remote:
+            await asyncio.to_thread(self._trim_cache, name)
 
     async def unload_adapter(self, name: str) -> None:
         await self.control.unload_adapter(name)
+        self.loaded.discard(name)
+        self.last_unloaded = name
+
+    def _trim_cache(self, newest: str) -> None:
+        """Drop cached copies outside the live window, except versions vLLM holds or dropped one sync ago
+        (vLLM re-reads an evicted adapter from its path)."""
+        prefix, _ = split_adapter_dir_name(newest)
+        keep = {
+            split_adapter_dir_name(n)[1]
+            for n in (*self.loaded, self.last_unloaded)
+            if n and n.startswith(prefix)
+        }
+        apply_cache_retention(
+            Path(self.config.bucket.cache_dir) / self.replica_id,
+            self.config.run_name,
+            prefix,
+            live_window=self.config.trainer.max_staleness + 2,
+            keep_every=0,
+            protected=keep,
+        )
 
     def shutdown(self) -> None:
         if self.server is not None:

@@ -41,8 +41,10 @@ async def forward(
     ended with an error event). Raises ReplicaFailed when the client has received nothing yet.
     """
     headers = {"Content-Type": "application/json"}
-    if "X-Request-Id" in request.headers:
-        headers["X-Request-Id"] = request.headers["X-Request-Id"]
+    request_id = request.headers.get("X-Request-Id", "")
+    # Passed on only when it is a plain token: anything else could not be sent, or would reach vLLM's logs.
+    if request_id and len(request_id) <= 256 and request_id.isascii() and request_id.isprintable():
+        headers["X-Request-Id"] = request_id
     try:
         upstream = await session.post(url + request.path, data=payload, headers=headers)
     except UPSTREAM_ERRORS as e:

@@ -31,10 +31,12 @@ from aiohttp import web
 from rl_cluster.config import ProxyConfig
 from rl_cluster.core.routing import PrefixTable, block_hashes, choose_replica, request_prompt
 from rl_cluster.core.versions import ReplicaState, VersionBook
-from rl_cluster.errors import AdapterNotFound, AdapterRejected
-from rl_cluster.proxy.control import CONTROL_TIMEOUT, HttpReplicaControl, ReplicaControl, error_message
+from rl_cluster.errors import AdapterNotFound
+from rl_cluster.proxy.broadcast import LoadFailed, load_everywhere, load_with_retry
+from rl_cluster.proxy.control import CONTROL_TIMEOUT, HttpReplicaControl, ReplicaControl
 from rl_cluster.proxy.forward import DATA_TIMEOUT, ReplicaFailed, forward
 from rl_cluster.proxy.metrics import ROUTE_REASONS, LatencyHistogram, render_prometheus
+from rl_cluster.proxy.pausing import PauseCoordinator
 from rl_cluster.proxy.validation import (
     Invalid,
     check_adapter_name,
@@ -62,26 +64,6 @@ class Replica:
     url: str
     control: ReplicaControl
     requests: int = 0
-
-
-class LoadFailed(Exception):
-    """A broadcast adapter load failed on some replicas (and was rolled back on the others)."""
-
-    def __init__(self, name: str, failures: dict[str, BaseException], rolled_back: list[str]):
-        self.failures = failures
-        reasons = "; ".join(f"replica {r}: {type(e).__name__}: {e}" for r, e in sorted(failures.items()))
-        undone = f"; rolled back on {', '.join(rolled_back)}" if rolled_back else ""
-        super().__init__(f"loading adapter {name!r} failed: {reasons}{undone}")
-
-    @property
-    def status(self) -> int:
-        """404: nothing visible by the deadline; 400: the adapter was refused; 502: a replica misbehaved."""
-        errors = self.failures.values()
-        if all(isinstance(e, AdapterNotFound) for e in errors):
-            return 404
-        if all(isinstance(e, (AdapterNotFound, AdapterRejected)) for e in errors):
-            return 400
-        return 502
 
 
 def error_response(
@@ -127,10 +109,12 @@ class ProxyServer:
         # Serialises every change to the adapter set (load, unload, a replica catching up), so a joining
         # replica cannot miss a version that is being published while it catches up.
         self._adapter_lock = asyncio.Lock()
-        self._pause_lock = asyncio.Lock()
-        self._paused = False
-        self._pause_query = ""
-        self._pause_lease: asyncio.Task | None = None
+        # Pause/resume reach every replica but those known to be down (catch-up syncs them on return).
+        self._pausing = PauseCoordinator(
+            config.pause_lease_s,
+            lambda: [self._replicas[r] for r in self._book.in_state(*REACHABLE)],
+            self.broadcast_latency,
+        )
         self._recovering: set[str] = set()
         self._background: set[asyncio.Task] = set()
         self._drained = asyncio.Event()
@@ -146,6 +130,7 @@ class ProxyServer:
         # No connection limit on the data path: every in-flight generation holds a connection.
         self._data = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=DATA_TIMEOUT)
         self._control = aiohttp.ClientSession(timeout=CONTROL_TIMEOUT)
+        self._pausing.session = self._control
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._middleware])
         app.add_routes(
             [
@@ -176,15 +161,9 @@ class ProxyServer:
 
     async def stop(self) -> None:
         """Stop serving. Replicas left paused are resumed first: a proxy must never leave them frozen."""
-        if self._paused:
-            logger.warning("proxy stopping while replicas are paused: resuming them")
-            try:
-                await self._broadcast_pause_or_resume("resume", "")
-            except Exception:
-                logger.exception("resuming replicas at proxy stop failed")
-        for task in [self._pause_lease, *self._background]:
-            if task is not None:
-                task.cancel()
+        await self._pausing.stop()
+        for task in list(self._background):
+            task.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
         for session in (self._data, self._control):
@@ -278,19 +257,20 @@ class ProxyServer:
         self._table.forget_replica(rid)  # its prefix cache may be gone: no affinity claims on trust
         for name, path in self._book.live_adapters().items():
             if name not in self._book.loaded_on(rid):
-                await self._load_with_retry(replica, name, path, asyncio.Event())
+                await load_with_retry(
+                    replica.control,
+                    name,
+                    path,
+                    retry_s=self.config.load_retry_interval_s,
+                    deadline_s=self.config.load_deadline_s,
+                    give_up=asyncio.Event(),
+                )
                 self._book.mark_loaded(rid, name)
         for name in self._book.loaded_on(rid):
             if self._book.is_closed(name) and not self._book.in_flight(rid, name):
                 self._spawn(self._unload_on(rid, name))  # closed while it was away
-        async with self._pause_lock:
-            # Match the others: paused if they are (it would serve while they are frozen), else running
-            # (it may have missed a resume).
-            op, query = ("pause", self._pause_query) if self._paused else ("resume", "")
-            failures = await self._broadcast_pause_or_resume(op, query, [replica])
-            if failures:
-                raise RuntimeError(f"{op} on catch-up failed: {failures[rid]}")
-            self._book.activate(rid)
+        await self._pausing.match(replica)
+        self._book.activate(rid)
 
     # -- health -----------------------------------------------------------------------------------------
 
@@ -380,7 +360,7 @@ class ProxyServer:
             "streams_broken": self._streams_broken,
             "adapters_routable": sorted(self._book.routable()),
             "base_models": list(self._base_models),
-            "paused": self._paused,
+            "paused": self._pausing.paused,
         }
 
     # -- middleware and helpers -------------------------------------------------------------------------
@@ -569,7 +549,17 @@ class ProxyServer:
                 return error_response(503, "no active replica", "ServiceUnavailableError")
             start = time.monotonic()
             try:
-                await self._broadcast_load(name, path, targets)
+                await load_everywhere(
+                    name,
+                    path,
+                    {r: self._replicas[r].control for r in targets},
+                    retry_s=self.config.load_retry_interval_s,
+                    deadline_s=self.config.load_deadline_s,
+                    # A replica removed meanwhile is not marked.
+                    loaded=lambda r: self._book.mark_loaded(r, name) if r in self._replicas else None,
+                    holders=lambda: self._book.holders(name),
+                    unloaded=lambda r: self._book.mark_unloaded(r, name),
+                )
             except LoadFailed as e:
                 logger.error("%s", e)
                 return error_response(
@@ -583,56 +573,6 @@ class ProxyServer:
             self._book.publish(name, path)
         logger.info("adapter %s routable on %s", name, targets)
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
-
-    async def _broadcast_load(self, name: str, path: str, targets: list[str]) -> None:
-        """Load on every target concurrently; on any failure unload from those that took it, then raise."""
-        give_up = asyncio.Event()  # a real failure somewhere: stop retrying "not found" elsewhere
-
-        async def load_one(replica_id: str) -> None:
-            try:
-                await self._load_with_retry(self._replicas[replica_id], name, path, give_up)
-            except BaseException:
-                give_up.set()
-                raise
-            if replica_id in self._replicas:  # not removed meanwhile
-                self._book.mark_loaded(replica_id, name)
-
-        results = await asyncio.gather(*(load_one(r) for r in targets), return_exceptions=True)
-        failures = {r: e for r, e in zip(targets, results, strict=True) if isinstance(e, BaseException)}
-        if not failures:
-            return
-        rolled_back = []
-        for replica_id in self._book.holders(name):
-            try:
-                await self._replicas[replica_id].control.unload_adapter(name)
-                rolled_back.append(replica_id)
-            except AdapterNotFound:
-                rolled_back.append(replica_id)
-            except Exception:
-                # It stays marked loaded (the name stays taken) so that an unload can still remove it.
-                logger.exception("rollback of adapter %s on replica %s failed", name, replica_id)
-                continue
-            self._book.mark_unloaded(replica_id, name)
-        raise LoadFailed(name, failures, rolled_back)
-
-    async def _load_with_retry(self, replica: Replica, name: str, path: str, give_up: asyncio.Event) -> None:
-        """Load on one replica, retrying "not found" (a lagging mount) every load_retry_interval_s until
-        load_deadline_s, or until `give_up` is set. Any other error fails at once."""
-        deadline = time.monotonic() + self.config.load_deadline_s
-        while True:
-            try:
-                await replica.control.load_adapter(name, path)
-                return
-            except AdapterNotFound as e:
-                not_found = e
-            remaining = deadline - time.monotonic()
-            if give_up.is_set() or remaining <= 0:
-                raise not_found
-            try:
-                await asyncio.wait_for(give_up.wait(), min(self.config.load_retry_interval_s, remaining))
-            except TimeoutError:
-                continue
-            raise not_found  # another replica failed for real: no point waiting for this one
 
     async def _unload_adapter(self, request: web.Request) -> web.Response:
         body = (await self._read_json(request))[1]
@@ -680,70 +620,20 @@ class ProxyServer:
         return await self._detached(self._resume_everywhere())
 
     async def _pause_everywhere(self, query: str) -> web.Response:
-        async with self._pause_lock:
-            failures = await self._broadcast_pause_or_resume("pause", query)
-            if failures:
-                # All or nothing: do not leave some replicas paused with nobody to resume them.
-                await self._broadcast_pause_or_resume("resume", "")
-                self._paused = False
-                return error_response(
-                    502, f"pause failed on {sorted(failures)}; resumed all", "PauseError", replicas=failures
-                )
-            self._paused, self._pause_query = True, query
-            if self._pause_lease is not None:
-                self._pause_lease.cancel()
-            self._pause_lease = asyncio.get_running_loop().create_task(self._expire_pause())
+        failures = await self._pausing.pause(query)
+        if failures:
+            return error_response(
+                502, f"pause failed on {sorted(failures)}; resumed all", "PauseError", replicas=failures
+            )
         return web.json_response({"status": "paused"})
 
     async def _resume_everywhere(self) -> web.Response:
-        async with self._pause_lock:
-            if self._pause_lease is not None:
-                self._pause_lease.cancel()
-                self._pause_lease = None
-            failures = await self._broadcast_pause_or_resume("resume", "")
-            self._paused = bool(failures)
+        failures = await self._pausing.resume()
         if failures:
             return error_response(
                 502, f"resume failed on {sorted(failures)}", "ResumeError", replicas=failures
             )
         return web.json_response({"status": "resumed"})
-
-    async def _expire_pause(self) -> None:
-        await asyncio.sleep(self.config.pause_lease_s)
-        logger.warning(
-            "no /resume within pause_lease_s=%.0fs of the last /pause (did the trainer fail between pause and "
-            "resume?): resuming every replica",
-            self.config.pause_lease_s,
-        )
-        async with self._pause_lock:
-            self._pause_lease = None
-            failures = await self._broadcast_pause_or_resume("resume", "")
-            self._paused = bool(failures)
-        if failures:
-            logger.error("lease-expiry resume failed on %s", failures)
-
-    async def _broadcast_pause_or_resume(
-        self, op: str, query: str, replicas: list[Replica] | None = None
-    ) -> dict[str, str]:
-        """POST /pause or /resume to every reachable replica at once; returns {replica: error} of failures.
-        Unhealthy replicas are skipped: catch-up brings them to the others' state when they return."""
-
-        async def one(replica: Replica) -> str | None:
-            url = f"{replica.url}/{op}" + (f"?{query}" if query else "")
-            try:
-                async with self._control.post(url) as response:
-                    if response.status == 200:
-                        return None
-                    return f"HTTP {response.status}: {error_message(await response.text())}"
-            except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
-                return f"{type(e).__name__}: {e}"
-
-        if replicas is None:
-            replicas = [self._replicas[r] for r in self._book.in_state(*REACHABLE)]
-        start = time.monotonic()
-        results = await asyncio.gather(*(one(r) for r in replicas))
-        self.broadcast_latency.observe(op, time.monotonic() - start)
-        return {r.replica_id: err for r, err in zip(replicas, results, strict=True) if err is not None}
 
 
 # Import paths other modules use (rl_cluster.generator.actor imports HttpReplicaControl from here).

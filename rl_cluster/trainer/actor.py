@@ -113,6 +113,9 @@ class Trainer:
             temperature=t.temperature,
             max_staleness=t.max_staleness,
             queue_maxsize=t.completions_per_step * t.queue_steps,
+            # A sample waits behind everything queued and in flight; keep that under max_staleness steps'
+            # worth, or most of what is generated is dropped as stale (TRL's default allows more).
+            max_inflight_tasks=t.completions_per_step * max(1, t.max_staleness - t.queue_steps),
             weight_sync_steps=t.sync_every,
             max_steps=t.max_steps,
             seed=t.seed,

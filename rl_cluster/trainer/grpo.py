@@ -51,6 +51,10 @@ class BucketSyncTrainer(AsyncGRPOTrainer):
         # collide ("already loaded"), and vLLM keys its prefix cache by name. Each run gets its own prefix.
         self._lora_name = run_name
         self.rollout_worker._loop_kwargs["lora_name"] = run_name
+        # Admission control: finished groups wait to be scored in a queue of 16 groups by default, which
+        # on a small batch holds several steps' worth of samples that then go stale. One step's worth.
+        groups_per_step = max(1, self.args.per_device_train_batch_size // self.args.num_generations)
+        self.rollout_worker._loop_kwargs["score_queue_maxsize"] = groups_per_step
         self.run_name = run_name
         self.bucket = bucket
         self.proxy = proxy

@@ -5,16 +5,13 @@ import os
 import pickle
 import random
 import shutil
-import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
 from pathlib import Path
 
-import boto3
 import pytest
+from conftest import S3_ENV, free_port, moto_s3
 
 from rl_cluster import bucket as bucket_module
 from rl_cluster.bucket import Bucket, apply_cache_retention
@@ -29,46 +26,14 @@ FP = base_model_fingerprint(TINY)
 FAST_RETRY = dict(attempts=3, retry_base_delay_s=0.01, retry_max_delay_s=0.05)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3_endpoint():
     """A moto S3 server on a free loopback port, with one bucket; killed after the module."""
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
     with pytest.MonkeyPatch.context() as mp:
-        for key, value in env.items():
+        for key, value in S3_ENV.items():
             mp.setenv(key, value)
-        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(port), "-H", "127.0.0.1"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        try:
-            client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    client.create_bucket(Bucket=S3_BUCKET)  # no location constraint: moto refuses one
-                    break
-                except Exception:
-                    if time.monotonic() > deadline or proc.poll() is not None:
-                        raise
-                    time.sleep(0.1)
+        with moto_s3(S3_BUCKET) as endpoint:
             yield endpoint
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 @pytest.fixture

@@ -1,0 +1,117 @@
+"""python -m bench [--quick] [--out PATH]: run every benchmark, write BENCHMARKS.md and the plots.
+
+Full mode writes BENCHMARKS.md at the repository root and the plots under docs/bench/. Quick mode
+(tiny loads, one repetition; a test runs it) writes to --out, default bench_results/BENCHMARKS.md, with
+its plots beside it, so the committed file keeps the full run's numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench import async_vs_sync, handoff, overhead, report, routing, scaling
+from bench.common import REPO, machine, vllm_servers, warm_up
+
+
+@dataclass(frozen=True)
+class Plan:
+    reps: int
+    routing_groups: int
+    groups_in_flight: int
+    max_tokens: int
+    overhead_requests: int
+    overhead_concurrency: int
+    scaling_groups: int
+    handoff_versions: int
+    train_steps: int
+    train_reps: int
+
+
+FULL = Plan(
+    reps=3, routing_groups=24, groups_in_flight=4, max_tokens=32, overhead_requests=150, overhead_concurrency=4,
+    scaling_groups=24, handoff_versions=10, train_steps=30, train_reps=1,
+)  # fmt: skip
+QUICK = Plan(
+    reps=1, routing_groups=4, groups_in_flight=2, max_tokens=16, overhead_requests=24, overhead_concurrency=4,
+    scaling_groups=4, handoff_versions=3, train_steps=6, train_reps=1,
+)  # fmt: skip
+BENCHMARKS = {  # run in this order, on the same two replicas
+    "routing": routing.run,
+    "overhead": overhead.run,
+    "scaling": scaling.run,
+    "handoff": handoff.run,
+    "async_vs_sync": async_vs_sync.run,
+}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny loads, one repetition (about 3 minutes)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="markdown output (quick default: bench_results/)"
+    )
+    parser.add_argument("--only", nargs="*", choices=list(BENCHMARKS), default=None, help="run only these")
+    return parser.parse_args(argv)
+
+
+async def run_all(plan: Plan, only, work: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    from rl_cluster.tiny import ensure_tiny_model
+
+    model_dir = ensure_tiny_model()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    results: dict = {}
+    started = time.monotonic()
+    async with vllm_servers(model_dir, 2, work) as servers:
+        print(f"two vLLM servers healthy after {time.monotonic() - started:.0f}s", flush=True)
+        await warm_up(servers, tokenizer, str(model_dir))
+        for name, bench in BENCHMARKS.items():
+            if only and name not in only:
+                continue
+            t0 = time.monotonic()
+            print(f"== {name}", flush=True)
+            try:
+                results[name] = await bench(servers, model_dir, tokenizer, plan, work / name)
+            except Exception as e:  # the other benchmarks still run; the report says what failed
+                traceback.print_exc()
+                results[name] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"   {name} took {time.monotonic() - t0:.0f}s", flush=True)
+    return results
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    if args.quick:
+        out = (args.out or REPO / "bench_results" / "BENCHMARKS.md").absolute()
+        plots_dir = out.parent
+    else:
+        out = (args.out or REPO / "BENCHMARKS.md").absolute()
+        plots_dir = REPO / "docs" / "bench" if args.out is None else out.parent
+    command = "python -m bench" + "".join(
+        f" {shlex.quote(a)}" for a in (argv if argv is not None else sys.argv[1:])
+    )
+    info = machine()
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="rl_cluster-bench-") as work:
+        results = asyncio.run(run_all(plan, args.only, Path(work)))
+    results["plan"] = asdict(plan)
+    report.write(out, plots_dir, results, info, command, args.quick)
+    (plots_dir / "results.json").write_text(json.dumps({"machine": info, **results}, indent=1, default=str))
+    failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
+    print(f"wrote {out} in {time.monotonic() - started:.0f}s" + (f"; FAILED: {failed}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

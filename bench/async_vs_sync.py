@@ -1,0 +1,228 @@
+"""Asynchronous against strictly on-policy GRPO: the same short training run (jobs/configs/cpu_demo.toml
+with fewer steps) with trainer.max_staleness=0 and with 4, on the same two vLLM replicas.
+
+The pieces are those of a real run (a Ray cluster of our own, the ProxyActor, TrainerActor with TRL's
+AsyncGRPOTrainer, a directory bucket); the replicas are the benchmark's own servers, registered with a
+control that fetches and verifies each version as GeneratorActor does, so no second pair of vLLM
+servers has to start. While the trainer runs, the proxy's in-flight counts are sampled every 0.25 s
+through the actor: the share of samples with nothing in flight is the generators' idle fraction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+
+import aiohttp
+
+from bench.common import HTTP_TIMEOUT, REPO
+from bench.handoff import VerifyingControl
+from rl_cluster.bucket import Bucket
+from rl_cluster.config import load_config
+from rl_cluster.core.manifest import base_model_fingerprint
+
+DEMO_CONFIG = REPO / "jobs" / "configs" / "cpu_demo.toml"
+POLL_S = 0.25
+MODES = {"synchronous": 0, "asynchronous": 4}  # trainer.max_staleness
+
+
+def mode_label(mode: str) -> str:
+    return f"{mode} (max_staleness={MODES[mode]})"
+
+
+def start_ray() -> None:
+    """A local Ray cluster of our own (never one another engineer is running on this machine)."""
+    import ray
+
+    ray.init(
+        address="local",
+        num_cpus=os.cpu_count(),
+        resources={"trainer": 1},
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={
+            "env_vars": {
+                "PYTHONPATH": str(REPO),  # the proxy actor unpickles bench.handoff.VerifyingControl
+                "TRL_EXPERIMENTAL_SILENCE": "1",
+                "PYTHONWARNINGS": "ignore:TRL currently supports vLLM versions",
+                "TOKENIZERS_PARALLELISM": "false",
+            }
+        },
+    )
+
+
+async def sample_in_flight(proxy, samples: list, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        stats = await proxy.stats.remote()
+        replicas = stats["replicas"].values()
+        samples.append(([r["in_flight"] for r in replicas], sum(r["requests"] for r in replicas)))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), POLL_S)
+
+
+def generator_idle(samples: list) -> float:
+    """Share of samples with nothing in flight, averaged over replicas, from the first rollout request
+    on (the trainer's start-up, before any request, is not the generators' idle time)."""
+    start = next((i for i, (_, total) in enumerate(samples) if total > samples[0][1]), len(samples))
+    window = [in_flight for in_flight, _ in samples[start:]]
+    if not window:
+        return float("nan")
+    per_replica = zip(*window, strict=True)
+    shares = [sum(1 for n in counts if n == 0) / len(window) for counts in per_replica]
+    return sum(shares) / len(shares)
+
+
+async def unload_all(proxy, proxy_url: str) -> None:
+    """Free the replicas' adapter slots between runs (each run publishes its own names)."""
+    stats = await proxy.stats.remote()
+    async with aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as session:
+        for name in stats["adapters_routable"]:
+            async with session.post(f"{proxy_url}/v1/unload_lora_adapter", json={"lora_name": name}) as r:
+                await r.read()
+    await asyncio.sleep(1.0)  # unloads run in the proxy's background
+
+
+async def train_once(config, proxy, proxy_url: str) -> dict:
+    import ray
+
+    from rl_cluster.trainer.actor import TrainerActor
+
+    trainer = TrainerActor.options(
+        name=f"{config.run_name}-trainer", num_cpus=config.trainer.num_cpus, resources={"trainer": 1}
+    ).remote(config, proxy_url)
+    samples: list = []
+    stop = asyncio.Event()
+    poller = asyncio.get_running_loop().create_task(sample_in_flight(proxy, samples, stop))
+    try:
+        result = await trainer.train.remote()
+    finally:
+        stop.set()
+        await poller
+        ray.kill(trainer)
+    result["generator_idle"] = generator_idle(samples)
+    return result
+
+
+def measures(result: dict, completions_per_step: int) -> dict:
+    """Steady-state numbers from TRL's per-step records. Step 1 has no step time (nothing before it to
+    measure from) and its rollout wait includes start-up, so the window is steps 2..N."""
+    steady = [r for r in result["history"] if r["step_s"] is not None]
+    step_s = [r["step_s"] for r in steady]
+    wait_s = [r["rollout_wait_s"] or 0.0 for r in steady]
+    dropped = sum(r["dropped_stale"] for r in result["history"])
+    trained = completions_per_step * len(result["history"])
+    return {
+        "steps": len(result["history"]),
+        "mean_step_s": sum(step_s) / len(step_s),
+        "steps_per_hour": 3600 * len(step_s) / sum(step_s),
+        "trainer_idle": sum(wait_s) / sum(step_s),
+        "generator_idle": result["generator_idle"],
+        "dropped_share": dropped / (dropped + trained),
+        "rollout_wait_s": sum(wait_s) / len(wait_s),
+        "compute_s": sum(s - w for s, w in zip(step_s, wait_s, strict=True)) / len(step_s),
+        "train_wall_s": result["train_wall_s"],
+        # Cumulative time at the end of each step (step 1 ends at 0: the clock starts there).
+        "curve": [(sum(step_s[:i]), r["reward"]) for i, r in enumerate(result["history"])],
+    }
+
+
+def reward_by(curve: list[tuple[float, float]], t: float) -> float:
+    """Mean reward of the last fifth of the steps completed by time t."""
+    done = [reward for when, reward in curve if when <= t + 1e-9 and reward is not None]
+    k = max(1, len(done) // 5)
+    return sum(done[-k:]) / k if done else float("nan")
+
+
+async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
+    import ray
+
+    from rl_cluster.proxy.actor import ProxyActor
+
+    work = log_dir / "async_vs_sync"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    common = [
+        f"trainer.max_steps={plan.train_steps}",
+        f"bucket.uri={work / 'bucket'}",
+        f"bucket.cache_dir={work / 'cache'}",
+        "generator.max_loras=6",
+    ]
+    configs = {
+        mode: load_config(
+            DEMO_CONFIG, [*common, f"trainer.max_staleness={staleness}", f"run_name=bench-{mode}-{stamp}"]
+        )
+        for mode, staleness in MODES.items()
+    }
+    bucket = Bucket(str(work / "bucket"))
+    fingerprint = base_model_fingerprint(json.loads((model_dir / "config.json").read_text()))
+    results: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    start_ray()
+    try:
+        proxy = ProxyActor.options(num_cpus=0).remote(configs["synchronous"].proxy)
+        proxy_url = await proxy.start.remote()
+        for i, server in enumerate(servers):
+            control = VerifyingControl(bucket, server.url, work / f"cache-r{i}", fingerprint)
+            await proxy.add_replica.remote(f"r{i}", server.url, control)
+        modes = list(MODES)
+        for rep in range(plan.train_reps):
+            for mode in modes[rep % 2 :] + modes[: rep % 2]:
+                config = configs[mode].model_copy(update={"run_name": f"{configs[mode].run_name}-{rep}"})
+                result = await train_once(config, proxy, proxy_url)
+                results[mode].append(measures(result, config.trainer.completions_per_step))
+                print(f"  {mode_label(mode)}: {results[mode][-1]['mean_step_s']:.2f} s/step", flush=True)
+                await unload_all(proxy, proxy_url)
+        await proxy.stop.remote()
+    finally:
+        ray.shutdown()
+    return summarize(results, configs["synchronous"])
+
+
+def summarize(results: dict[str, list[dict]], config) -> dict:
+    from bench.common import median, paired_ratio
+
+    sync, asyn = results["synchronous"], results["asynchronous"]
+    keys = (
+        "steps_per_hour",
+        "mean_step_s",
+        "trainer_idle",
+        "generator_idle",
+        "dropped_share",
+        "rollout_wait_s",
+        "compute_s",
+    )
+    rows = {mode: {k: median([r[k] for r in rs]) for k in keys} for mode, rs in results.items()}
+    # Equal wall time: the shorter of the two runs' step clocks, per repetition.
+    for mode, rs in results.items():
+        other = asyn if mode == "synchronous" else sync
+        rows[mode]["reward_at_equal_time"] = median(
+            [
+                reward_by(r["curve"], min(r["curve"][-1][0], o["curve"][-1][0]))
+                for r, o in zip(rs, other, strict=True)
+            ]
+        )
+        rows[mode]["reward_last_fifth"] = median([reward_by(r["curve"], float("inf")) for r in rs])
+    g, t = rows["synchronous"]["rollout_wait_s"], rows["synchronous"]["compute_s"]
+    ideal = (g + t) / max(g, t)
+    measured = paired_ratio([r["steps_per_hour"] for r in asyn], [r["steps_per_hour"] for r in sync])
+    return {
+        "rows": [{"mode": mode_label(mode), **rows[mode]} for mode in results],
+        "speedup": {
+            "measured": measured,
+            "ideal": ideal,
+            "share_of_ideal": measured / ideal,
+            "g_s": g,
+            "t_s": t,
+        },
+        "config": {
+            "steps": config.trainer.max_steps,
+            "completions_per_step": config.trainer.completions_per_step,
+            "num_generations": config.trainer.num_generations,
+            "max_new_tokens": config.trainer.max_new_tokens,
+            "sync_every": config.trainer.sync_every,
+            "queue_steps": config.trainer.queue_steps,
+            "reps": len(sync),
+        },
+        "curves": {mode_label(mode): rs[0]["curve"] for mode, rs in results.items()},
+    }

@@ -1,0 +1,106 @@
+"""The PNG plots of BENCHMARKS.md (matplotlib, no display)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _figure(width: float = 7.0, height: float = 3.2):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt, *plt.subplots(1, 2, figsize=(width, height))
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _bars(ax, labels, values, title, fmt="{:.2f}"):
+    ax.barh(range(len(values)), values, color="#4878a8")
+    ax.set_yticks(range(len(values)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_title(title, fontsize=9)
+    for i, v in enumerate(values):
+        ax.text(v, i, " " + fmt.format(v), va="center", fontsize=7)
+
+
+def routing(r: dict, path: Path) -> Path:
+    plt, fig, (a, b) = _figure(8.5)
+    labels = [x["router"] for x in r["rows"]]
+    _bars(a, labels, [x["throughput"] for x in r["rows"]], "completions/s", "{:.1f}")
+    _bars(
+        b,
+        labels,
+        [100 * x["cache_hit_rate"] for x in r["rows"]],
+        "replica prefix-cache hit rate (%)",
+        "{:.0f}",
+    )
+    b.set_yticks([])
+    return _save(plt, fig, path)
+
+
+def overhead(r: dict, path: Path) -> Path:
+    plt, fig, (a, b) = _figure()
+    labels = [x["path"] for x in r["rows"]]
+    _bars(a, labels, [x["p50_ms"] for x in r["rows"]], "p50 latency (ms)", "{:.1f}")
+    _bars(b, labels, [x["p99_ms"] for x in r["rows"]], "p99 latency (ms)", "{:.1f}")
+    b.set_yticks([])
+    return _save(plt, fig, path)
+
+
+def handoff(r: dict, path: Path) -> Path:
+    plt, fig, (a, b) = _figure(8.5)
+    rows = [x for x in r["rows"] if "routable_s" in x or "load_s" in x]
+    labels = [x["path"].split(",")[0] for x in rows]
+    key = [("routable_s" if "routable_s" in x else "load_s") for x in rows]
+    _bars(
+        a, labels, [x[k]["p50_ms"] for x, k in zip(rows, key, strict=True)], "to routable, p50 (ms)", "{:.0f}"
+    )
+    _bars(
+        b, labels, [x[k]["p95_ms"] for x, k in zip(rows, key, strict=True)], "to routable, p95 (ms)", "{:.0f}"
+    )
+    b.set_yticks([])
+    return _save(plt, fig, path)
+
+
+def scaling(r: dict, path: Path) -> Path:
+    plt, fig, (a, b) = _figure()
+    labels = [f"{x['generators']} generator(s)" for x in r["rows"]]
+    _bars(a, labels, [x["throughput"] for x in r["rows"]], "completions/s", "{:.1f}")
+    _bars(b, labels, [x["speedup_vs_1"] for x in r["rows"]], "speedup vs 1", "{:.2f}x")
+    b.set_yticks([])
+    return _save(plt, fig, path)
+
+
+def async_vs_sync(r: dict, path: Path) -> Path:
+    plt, fig, (a, b) = _figure(8.5)
+    for label, curve in r["curves"].items():
+        a.plot([t for t, _ in curve], [rew for _, rew in curve], label=label, lw=1)
+    a.set_xlabel("seconds since step 1", fontsize=8)
+    a.set_title("reward per step", fontsize=9)
+    a.legend(fontsize=7)
+    labels = [x["mode"].split(" ")[0] for x in r["rows"]]
+    _bars(b, labels, [x["steps_per_hour"] for x in r["rows"]], "steps/hour", "{:.0f}")
+    return _save(plt, fig, path)
+
+
+def draw_all(results: dict, plots_dir: Path) -> dict[str, Path]:
+    drawers = {
+        "routing": routing,
+        "overhead": overhead,
+        "handoff": handoff,
+        "scaling": scaling,
+        "async_vs_sync": async_vs_sync,
+    }
+    return {
+        key: draw(results[key], plots_dir / f"{key}.png")
+        for key, draw in drawers.items()
+        if key in results and "error" not in results[key]
+    }

@@ -1,0 +1,255 @@
+"""BENCHMARKS.md and its plots, from the benchmarks' result dicts."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+PLACEHOLDER = "n/a"
+
+
+def num(value, spec: str = ".2f") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return PLACEHOLDER
+    return format(value, spec)
+
+
+def pct(value) -> str:
+    return PLACEHOLDER if value is None or value != value else f"{100 * value:.1f}%"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def provenance(info: dict, command: str) -> str:
+    return (
+        f"<sub>Machine: {info['cores']} cores, {info['cpu']}, no GPU · {info['date']} · "
+        f"{info['versions']} · python {info['python']} · command: `{command}`</sub>"
+    )
+
+
+def routing_section(r: dict) -> str:
+    load = r["load"]
+    rows = [
+        [
+            x["router"],
+            pct(x["affinity"]),
+            pct(x["cache_hit_rate"]),
+            pct(x["share_on_busier_replica"]),
+            num(x["throughput"], ".1f"),
+            num(x["throughput_vs_ours"], ".2f") + "x",
+        ]
+        for x in r["rows"]
+    ]
+    header = ["router", "affinity", "replica prefix-cache hit rate", "requests on busier replica",
+              "completions/s", "throughput vs ours (prefix)"]  # fmt: skip
+    return "\n\n".join(
+        [
+            "## 1. Routing: prefix-aware vs round-robin vs least-loaded vs vllm-router",
+            f"Two vLLM replicas, {load['groups']} GRPO groups of G={load['group_size']} identical token-id prompts "
+            f"({load['prompt_tokens']} tokens: a shared system prompt and a distinct user part, chat template "
+            f"applied), {load['groups_in_flight']} groups in flight, {load['max_tokens']} completion tokens each "
+            "(ignore_eos). Every router is sent the base model name (vllm-router knows nothing of our adapter "
+            "versions). *Affinity*: share of a group's requests on the group's majority replica, seen by a "
+            "pass-through tap in front of each replica. *Hit rate*: the replicas' own "
+            "`vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` over the run (caches emptied "
+            "before each run; vLLM's CPU block is 128 tokens, so a perfect group scores at most "
+            "(G-1)/G x 128/prompt tokens). Medians over repetitions; the ratio is the median of per-repetition "
+            "ratios against our prefix policy in the same repetition.",
+            table(header, rows),
+            *[f"> {note}" for note in r["notes"]],
+        ]
+    )
+
+
+def overhead_section(r: dict) -> str:
+    load = r["load"]
+    rows = [
+        [
+            x["path"],
+            num(x["throughput"], ".1f"),
+            num(x["throughput_vs_direct"], ".2f") + "x",
+            num(x["p50_ms"], ".1f"),
+            num(x["p99_ms"], ".1f"),
+            num(x["added_p50_ms"], "+.1f"),
+            num(x["added_p99_ms"], "+.1f"),
+        ]
+        for x in r["rows"]
+    ]
+    header = ["path", "requests/s", "vs direct", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms"]
+    return "\n\n".join(
+        [
+            "## 2. Proxy overhead",
+            f"One vLLM replica; {load['requests']} requests of {load['prompt_tokens']} prompt tokens and "
+            f"{load['max_tokens']} completion tokens, {load['concurrency']} in flight. Added latency is the "
+            "median over repetitions of (path - direct) in the same repetition.",
+            table(header, rows),
+            *[f"> {note}" for note in r["notes"]],
+        ]
+    )
+
+
+def handoff_section(r: dict) -> str:
+    def cell(row, key):
+        s = row.get(key)
+        return f"{num(s['p50_ms'], '.0f')} / {num(s['p95_ms'], '.0f')}" if s else "-"
+
+    rows = [
+        [x["path"], cell(x, "publish_s"), cell(x, "verify_s"), cell(x, "load_s"), cell(x, "routable_s")]
+        for x in r["rows"]
+    ]
+    header = ["path", "publish (p50 / p95 ms)", "fetch_verified alone", "load on every replica",
+              "publish -> routable"]  # fmt: skip
+    tiny, qwen = r["bytes"]["tiny"], r["bytes"]["qwen25_1p5b"]
+    sizes = table(
+        ["model", "full weights", "rank-1 LoRA (q,k,v,o,gate,up,down)", "LoRA / full"],
+        [
+            [
+                f"tiny (this benchmark, {tiny['dtype']}, measured files)",
+                f"{tiny['full_bytes'] / 1e6:.2f} MB",
+                f"{tiny['lora_bytes'] / 1e3:.1f} kB (fp32, safetensors)",
+                pct(tiny["lora_bytes"] / tiny["full_bytes"]),
+            ],
+            [
+                "Qwen2.5-1.5B (computed from its config)",
+                f"{qwen['full_bytes_bf16'] / 1e9:.2f} GB (bf16, {qwen['full_params'] / 1e9:.2f} B params)",
+                f"{qwen['lora_bytes_fp32'] / 1e6:.2f} MB fp32 / {qwen['lora_bytes_bf16'] / 1e6:.2f} MB bf16 "
+                f"({qwen['lora_params'] / 1e6:.2f} M params)",
+                pct(qwen["lora_bytes_fp32"] / qwen["full_bytes_bf16"]) + " (fp32 LoRA vs bf16 model)",
+            ],
+        ],
+    )
+    return "\n\n".join(
+        [
+            "## 3. Handoff: publish -> routable on every replica",
+            f"{r['versions']} versions per path. *publish*: `Bucket.publish_adapter` (files, then manifest). "
+            "*fetch_verified alone*: the generator's verify step timed by itself (an s3 bucket downloads into "
+            "a fresh cache). *load on every replica*: POST /v1/load_lora_adapter to the proxy, which has each "
+            "replica fetch + verify into its own cache and load into vLLM, all-or-nothing; it answers once "
+            "every replica has it. *publish -> routable* = publish + load. The direct row loads the same "
+            "adapter straight into one vLLM server: vLLM's own cost. Ray's actor hop (GeneratorActor) is not "
+            "in these numbers.",
+            table(header, rows),
+            "Adapter bytes against full-model bytes:",
+            sizes,
+            "Qwen2.5-1.5B: hidden 1536, 28 layers, intermediate 8960, 12 heads / 2 KV heads (head dim 128), "
+            "vocab 151936, tied embeddings. A rank-1 LoRA adds r x (in + out) parameters per module.",
+        ]
+    )
+
+
+def scaling_section(r: dict) -> str:
+    load = r["load"]
+    rows = [
+        [str(x["generators"]), num(x["throughput"], ".1f"), num(x["speedup_vs_1"], ".2f") + "x"]
+        for x in r["rows"]
+    ]
+    return "\n\n".join(
+        [
+            "## 4. Scaling: rollout throughput with 1 and 2 generators",
+            f"Through our proxy (prefix policy), {load['groups']} GRPO groups of 8, {load['groups_in_flight']} "
+            f"in flight, {load['max_tokens']} completion tokens. On 2 cores each engine is pinned to its own "
+            "core, but the load generator and the proxy share those cores, so 2x is out of reach here.",
+            table(["generators", "completions/s", "vs 1 generator"], rows),
+        ]
+    )
+
+
+def async_section(r: dict) -> str:
+    c, s = r["config"], r["speedup"]
+    rows = [
+        [
+            x["mode"],
+            num(x["steps_per_hour"], ".0f"),
+            num(x["mean_step_s"], ".2f"),
+            pct(x["trainer_idle"]),
+            pct(x["generator_idle"]),
+            pct(x["dropped_share"]),
+            num(x["reward_at_equal_time"], ".3f"),
+            num(x["reward_last_fifth"], ".3f"),
+        ]
+        for x in r["rows"]
+    ]
+    header = ["run", "steps/hour", "s/step", "trainer idle", "generator idle", "samples dropped stale",
+              "reward at equal wall time", "reward, last fifth"]  # fmt: skip
+    return "\n\n".join(
+        [
+            "## 5. Asynchronous vs synchronous GRPO",
+            f"`jobs/configs/cpu_demo.toml` with trainer.max_steps={c['steps']} ({c['completions_per_step']} "
+            f"completions per step in groups of {c['num_generations']}, {c['max_new_tokens']} new tokens, a sync "
+            f"every {c['sync_every']} step, queue_steps={c['queue_steps']}, generator.max_loras=6), once with "
+            "trainer.max_staleness=0 (strictly on-policy) and once with 4, on the same two replicas; "
+            f"{c['reps']} repetition(s). Step times are TRL's `perf/step_s` over steps 2..N (step 1 includes "
+            "start-up). *Trainer idle*: sum of `perf/rollout_wait_s` / sum of step times. *Generator idle*: "
+            "share of 0.25 s samples of the proxy's in-flight count (through the Ray proxy actor) with nothing "
+            "in flight, averaged over replicas, from the first rollout request to the end. *Dropped*: "
+            "samples discarded as too stale / (dropped + trained). *Reward at equal wall time*: mean reward "
+            "of the last fifth of the steps each run had completed when the faster run finished.",
+            table(header, rows),
+            f"**Speedup of asynchronous over synchronous: {num(s['measured'])}x measured; ideal "
+            f"{num(s['ideal'])}x; measured = {pct(s['share_of_ideal'])} of ideal.**",
+            "How the ideal is derived: in the synchronous run the trainer cannot start a step before the "
+            "step's rollouts exist, and the generators' work for the next step cannot start before the new "
+            "adapter is published (older samples are dropped), so a step costs g + t: g, the generation time "
+            f"per step, is what the trainer waits for rollouts (mean `perf/rollout_wait_s` = {num(s['g_s'])} s); "
+            f"t, the trainer's own time per step (step time minus that wait, adapter publication included) = "
+            f"{num(s['t_s'])} s. Fully overlapped, a step costs max(g, t), so the best an asynchronous "
+            "trainer can do is (g + t) / max(g, t).",
+            *(
+                [
+                    "> Measured above ideal: g as measured includes more than generation (after each sync the "
+                    "synchronous trainer first drains and drops the stale samples the queue filled with, and "
+                    "the rollout worker has to notice the new version before fresh groups start), so the "
+                    "ideal computed from it is an estimate, not a bound."
+                ]
+                if s["share_of_ideal"] > 1
+                else []
+            ),
+        ]
+    )
+
+
+def failure_section(title: str, error: str) -> str:
+    return f"## {title}\n\nFAILED: {error}"
+
+
+def write(out: Path, plots_dir: Path, results: dict, info: dict, command: str, quick: bool) -> None:
+    """Write the markdown (and the plots beside it, linked relatively)."""
+    from bench.plots import draw_all
+
+    plots = draw_all(results, plots_dir)
+    sections = {
+        "routing": (routing_section, "1. Routing"),
+        "overhead": (overhead_section, "2. Proxy overhead"),
+        "handoff": (handoff_section, "3. Handoff"),
+        "scaling": (scaling_section, "4. Scaling"),
+        "async_vs_sync": (async_section, "5. Asynchronous vs synchronous GRPO"),
+    }
+    parts = [
+        "# Benchmarks",
+        "Generated by `make bench` (`python -m bench`); do not edit by hand. Every number comes from one run "
+        "on the machine named under each table, with real vLLM CPU servers on the locally made tiny model, "
+        "our proxy, vllm-router, moto's S3 server on loopback, Ray and TRL. Speed claims are ratios of runs "
+        "made side by side in that one run on the same replicas (medians over repetitions whose order "
+        "rotates): the machine is shared with other work, so absolute numbers move between runs."
+        + (" **Quick mode: tiny loads, one repetition; numbers are smoke-test grade.**" if quick else ""),
+        "No GPU was available to this run: GPU trainer measurements (step time, MFU, NCCL-free handoff at "
+        "real model sizes) are out of scope here; the adapter-size table below computes the 1.5B case.",
+    ]
+    for key, (render, title) in sections.items():
+        value = results.get(key)
+        if value is None:
+            continue
+        if "error" in value:
+            parts.append(failure_section(title, value["error"]))
+            continue
+        parts.append(render(value))
+        if key in plots:
+            parts.append(f"![{title}]({os.path.relpath(plots[key], out.parent)})")
+        parts.append(provenance(info, command))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n\n".join(parts) + "\n")

@@ -1,0 +1,111 @@
+"""Loading one adapter version on many replicas, all-or-nothing.
+
+Each replica retries "not found" (a bucket mount that lags) until a deadline; any other failure stops
+the others' retries, and the replicas that did load it unload it again, so a version is either routable
+everywhere or nowhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from rl_cluster.errors import AdapterNotFound, AdapterRejected
+from rl_cluster.proxy.control import ReplicaControl
+
+logger = logging.getLogger(__name__)
+
+
+class LoadFailed(Exception):
+    """A broadcast adapter load failed on some replicas (and was rolled back on the others)."""
+
+    def __init__(self, name: str, failures: dict[str, BaseException], rolled_back: list[str]):
+        self.failures = failures
+        reasons = "; ".join(f"replica {r}: {type(e).__name__}: {e}" for r, e in sorted(failures.items()))
+        undone = f"; rolled back on {', '.join(rolled_back)}" if rolled_back else ""
+        super().__init__(f"loading adapter {name!r} failed: {reasons}{undone}")
+
+    @property
+    def status(self) -> int:
+        """404: nothing visible by the deadline; 400: the adapter was refused; 502: a replica misbehaved."""
+        errors = self.failures.values()
+        if all(isinstance(e, AdapterNotFound) for e in errors):
+            return 404
+        if all(isinstance(e, (AdapterNotFound, AdapterRejected)) for e in errors):
+            return 400
+        return 502
+
+
+async def load_with_retry(
+    control: ReplicaControl,
+    name: str,
+    path: str,
+    *,
+    retry_s: float,
+    deadline_s: float,
+    give_up: asyncio.Event,
+) -> None:
+    """Load on one replica, retrying "not found" every `retry_s` until `deadline_s`, or until `give_up` is
+    set (a real failure elsewhere: no point waiting). Any other error fails at once."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            await control.load_adapter(name, path)
+            return
+        except AdapterNotFound as e:
+            not_found = e
+        remaining = deadline - time.monotonic()
+        if give_up.is_set() or remaining <= 0:
+            raise not_found
+        try:
+            await asyncio.wait_for(give_up.wait(), min(retry_s, remaining))
+        except TimeoutError:
+            continue
+        raise not_found
+
+
+async def load_everywhere(
+    name: str,
+    path: str,
+    controls: dict[str, ReplicaControl],
+    *,
+    retry_s: float,
+    deadline_s: float,
+    loaded: Callable[[str], None],
+    holders: Callable[[], list[str]],
+    unloaded: Callable[[str], None],
+) -> None:
+    """Load on every replica of `controls` concurrently, calling `loaded(replica)` for each success. On any
+    failure, unload from `holders()` (calling `unloaded(replica)` for each) and raise LoadFailed."""
+    give_up = asyncio.Event()
+
+    async def load_one(replica_id: str) -> None:
+        try:
+            await load_with_retry(
+                controls[replica_id], name, path, retry_s=retry_s, deadline_s=deadline_s, give_up=give_up
+            )
+        except BaseException:
+            give_up.set()
+            raise
+        loaded(replica_id)
+
+    targets = list(controls)
+    results = await asyncio.gather(*(load_one(r) for r in targets), return_exceptions=True)
+    failures = {r: e for r, e in zip(targets, results, strict=True) if isinstance(e, BaseException)}
+    if not failures:
+        return
+    rolled_back = []
+    for replica_id in [r for r in holders() if r in controls]:
+        try:
+            await controls[replica_id].unload_adapter(name)
+        except AdapterNotFound:
+            pass  # not there: rolled back all the same
+        except Exception:
+            # It stays marked loaded (the name stays taken) so that an unload can still remove it.
+            logger.exception("rollback of adapter %s on replica %s failed", name, replica_id)
+            continue
+        rolled_back.append(replica_id)
+        unloaded(replica_id)
+    raise LoadFailed(name, failures, rolled_back)

@@ -1,0 +1,212 @@
+"""Replica health and failover, against real vLLM CPU servers.
+
+A replica that fails its health check leaves routing at once and comes back through catch-up (loading
+what it missed); a generation whose replica dies before the client got a byte is retried on another one;
+a stream that had already started ends with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+
+import aiohttp
+import pytest
+from aiohttp import web
+from conftest import free_port
+from test_proxy import adapter_dir, post_json, replica_models, unique, wait_until  # noqa: F401
+
+from rl_cluster.config import ProxyConfig
+from rl_cluster.generator.server import ServerSpec, VLLMServer
+from rl_cluster.proxy.forward import REPLICA_HEADER
+from rl_cluster.proxy.server import HttpReplicaControl, ProxyServer
+
+pytestmark = pytest.mark.vllm
+
+
+class PlayDead:
+    """A pass-through in front of a real vLLM server that can play dead: 503 on every route."""
+
+    def __init__(self, target: str):
+        self.target = target
+        self.down = False
+        self.generations = 0
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> str:
+        self._session = aiohttp.ClientSession()
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        return f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        if self.down:
+            return web.json_response({"error": "engine dead"}, status=503)
+        if request.path.endswith("completions"):
+            self.generations += 1
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+        async with self._session.request(
+            request.method, self.target + request.path_qs, data=await request.read(), headers=headers
+        ) as upstream:
+            content_type = upstream.headers.get("Content-Type", "application/json")
+            return web.Response(status=upstream.status, body=await upstream.read(), content_type=None,
+                                headers={"Content-Type": content_type})  # fmt: skip
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+        await self._session.close()
+
+
+@contextlib.asynccontextmanager
+async def proxy_over(replicas: dict[str, str], **config):
+    proxy = ProxyServer(ProxyConfig(**config))
+    url = await proxy.start()
+    try:
+        for replica_id, replica_url in replicas.items():
+            await proxy.add_replica(replica_id, replica_url)
+        yield proxy, url
+    finally:
+        for replica in proxy.stats()["replicas"].values():
+            for name in replica["adapters_loaded"]:
+                with contextlib.suppress(Exception):
+                    await HttpReplicaControl(replica["url"]).unload_adapter(name)
+        await proxy.stop()
+
+
+async def test_unhealthy_replica_leaves_routing_and_catches_up(vllm_servers, adapter_dir):  # noqa: F811
+    front = PlayDead(vllm_servers[1].url)
+    front_url = await front.start()
+    try:
+        async with proxy_over({"r0": vllm_servers[0].url, "f1": front_url}, health_interval_s=0.3) as (
+            proxy,
+            url,
+        ):
+            first, second = unique("before"), unique("while-down")
+            status, _ = await post_json(
+                f"{url}/v1/load_lora_adapter", {"lora_name": first, "lora_path": str(adapter_dir)}
+            )
+            assert status == 200
+
+            front.down = True
+            # Requests that land on the dead replica get its 503, are retried on r0, and succeed.
+            results = [
+                await post_json(
+                    f"{url}/v1/completions", {"model": first, "prompt": f"{i}+2", "max_tokens": 2}
+                )
+                for i in range(4)
+            ]
+            assert [status for status, _ in results] == [200] * 4, results
+            await wait_until(lambda: proxy.stats()["replicas"]["f1"]["state"] == "unhealthy", timeout=10)
+            stats = proxy.stats()
+            assert stats["retries"] >= 1 and stats["replicas"]["f1"]["requests"] >= 1
+            # While it is away, a new version is published on the replicas that are active.
+            status, body = await post_json(
+                f"{url}/v1/load_lora_adapter", {"lora_name": second, "lora_path": str(adapter_dir)}
+            )
+            assert status == 200, body
+            assert second not in await replica_models(vllm_servers[1])
+            served_before = front.generations
+
+            front.down = False
+            # Back: it catches up (loads the version it missed) before it takes traffic again.
+            await wait_until(lambda: proxy.stats()["replicas"]["f1"]["state"] == "active", timeout=60)
+            assert {first, second} <= await replica_models(vllm_servers[1])
+            assert proxy.stats()["replicas"]["f1"]["adapters_loaded"] == sorted([first, second])
+            results = await asyncio.gather(
+                *(
+                    post_json(f"{url}/v1/completions", {"model": second, "prompt": f"{i}*3", "max_tokens": 2})
+                    for i in range(4)
+                )
+            )
+            assert all(status == 200 for status, _ in results)
+            assert front.generations > served_before  # it serves again
+            async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as r:
+                metrics = await r.text()
+            assert 'rl_proxy_replica_active{replica="f1"} 1' in metrics
+            assert "rl_proxy_retries_total" in metrics
+    finally:
+        await front.stop()
+
+
+@pytest.fixture
+def doomed_server(tiny_model_dir, tmp_path):
+    """A third, private vLLM server, for a test that kills it."""
+    server = VLLMServer(
+        ServerSpec(model=str(tiny_model_dir), port=free_port(), cpu_core=0), tmp_path / "doomed.log"
+    )
+    server.start()
+    try:
+        asyncio.run(server.wait_healthy(300))
+        yield server
+    finally:
+        server.stop(grace_s=5)
+
+
+async def post_routed(url: str, payload: dict) -> tuple[int, dict, str | None]:
+    """POST a generation; its status, JSON body and the replica that answered it."""
+    async with aiohttp.ClientSession() as session, session.post(url, json=payload) as r:
+        return r.status, await r.json(), r.headers.get(REPLICA_HEADER)
+
+
+async def read_sse_until_first_event(response: aiohttp.ClientResponse) -> bytes:
+    received = b""
+    while b"\n\n" not in received:
+        chunk = await response.content.readany()
+        assert chunk, "stream ended before its first event"
+        received += chunk
+    return received
+
+
+async def test_killed_replica_request_is_retried_elsewhere(doomed_server, vllm_servers, tiny_model_dir):
+    model, prompt = str(tiny_model_dir), "7+8="
+    long_request = {"model": model, "prompt": prompt, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    async with proxy_over({"doomed": doomed_server.url}, health_interval_s=30) as (proxy, url):
+        # One request first, so the prompt's blocks are recorded for the doomed replica: with r0 added
+        # next, affinity sends the same prompt there.
+        status, _ = await post_json(f"{url}/v1/completions", {**long_request, "max_tokens": 1})
+        assert status == 200
+        await proxy.add_replica("r0", vllm_servers[0].url)
+
+        async with aiohttp.ClientSession() as session:
+            stream = await session.post(f"{url}/v1/completions", json={**long_request, "stream": True})
+            assert stream.headers[REPLICA_HEADER] == "doomed"
+            received = await read_sse_until_first_event(stream)
+            whole = asyncio.create_task(post_routed(f"{url}/v1/completions", long_request))
+            await wait_until(lambda: proxy.stats()["replicas"]["doomed"]["in_flight"] == 2, timeout=10)
+
+            os.killpg(doomed_server.process.pid, signal.SIGKILL)  # the whole vLLM process tree, no goodbye
+
+            # The request that had received nothing is answered in full by r0.
+            status, body, replica = await asyncio.wait_for(whole, timeout=120)
+            assert status == 200, body
+            assert replica == "r0"
+            assert (
+                body["usage"]["completion_tokens"] == 200 and body["choices"][0]["finish_reason"] == "length"
+            )
+
+            # The stream that had started ends with an error event and no [DONE], instead of hanging.
+            received += await asyncio.wait_for(stream.content.read(), timeout=30)
+            stream.release()
+        events = [
+            line[len("data: ") :] for line in received.decode().split("\n\n") if line.startswith("data: ")
+        ]
+        assert events[-1] != "[DONE]"
+        assert "failed mid-stream" in json.loads(events[-1])["error"]["message"]
+
+        stats = proxy.stats()
+        assert stats["replicas"]["doomed"]["state"] == "unhealthy"
+        assert stats["replicas"]["doomed"]["in_flight"] == 0
+        assert stats["retries"] == 1 and stats["streams_broken"] == 1
+        # Out of routing: everything goes to r0 now.
+        status, _, replica = await post_routed(f"{url}/v1/completions", {**long_request, "max_tokens": 2})
+        assert status == 200 and replica == "r0"
+        await proxy.remove_replica("doomed")
+        assert list(proxy.stats()["replicas"]) == ["r0"]
