@@ -11,8 +11,8 @@ import argparse
 import asyncio
 import json
 import shlex
+import shutil
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -73,7 +73,9 @@ async def run_all(plan: Plan, only, work: Path) -> dict:
     results: dict = {}
     started = time.monotonic()
     async with vllm_servers(model_dir, 2, work) as servers:
-        print(f"two vLLM servers healthy after {time.monotonic() - started:.0f}s", flush=True)
+        print(
+            f"logs under {work}; two vLLM servers healthy after {time.monotonic() - started:.0f}s", flush=True
+        )
         await warm_up(servers, tokenizer, str(model_dir))
         for name, bench in BENCHMARKS.items():
             if only and name not in only:
@@ -103,13 +105,18 @@ def main(argv=None) -> int:
     )
     info = machine()
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="rl_cluster-bench-") as work:
-        results = asyncio.run(run_all(plan, args.only, Path(work)))
+    # Logs of every process the benchmarks start (vLLM, routers, taps, moto), kept for a post-mortem.
+    work = out.parent / "logs" if args.quick else REPO / "bench_results" / "logs"
+    shutil.rmtree(work, ignore_errors=True)
+    results = asyncio.run(run_all(plan, args.only, work))
     results["plan"] = asdict(plan)
     report.write(out, plots_dir, results, info, command, args.quick)
     (plots_dir / "results.json").write_text(json.dumps({"machine": info, **results}, indent=1, default=str))
     failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
-    print(f"wrote {out} in {time.monotonic() - started:.0f}s" + (f"; FAILED: {failed}" if failed else ""))
+    print(
+        f"wrote {out} in {time.monotonic() - started:.0f}s"
+        + (f"; FAILED: {failed}, logs in {work}" if failed else "")
+    )
     return 1 if failed else 0
 
 

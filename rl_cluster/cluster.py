@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import tempfile
 from dataclasses import dataclass, field
 
 import ray
 
+from rl_cluster.bucket import Bucket
 from rl_cluster.config import RunConfig
 from rl_cluster.generator.actor import ActorReplicaControl, GeneratorActor
 from rl_cluster.proxy.actor import ProxyActor
@@ -34,17 +36,23 @@ def connect(config: RunConfig) -> None:
         }
     }
     address = config.cluster.address or os.environ.get("RAY_ADDRESS")
-    if address:
+    if address and address != "local":
         ray.init(address=address, runtime_env=env)
         return
-    try:
-        ray.init(address="auto", runtime_env=env)
-    except ConnectionError:
-        ray.init(
-            num_cpus=os.cpu_count(),
-            resources={"trainer": 1, "generator": config.generator.replicas},
-            runtime_env=env,
-        )
+    # Join a cluster started with `ray start` on this machine, but never scan for other users' Ray
+    # processes (what address="auto" does when the address file is missing).
+    if address is None and os.path.exists(os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster")):
+        try:
+            ray.init(address="auto", runtime_env=env)
+            return
+        except ConnectionError:
+            pass
+    ray.init(
+        address="local",
+        num_cpus=os.cpu_count(),
+        resources={"trainer": 1, "generator": config.generator.replicas},
+        runtime_env=env,
+    )
 
 
 @dataclass
@@ -84,8 +92,10 @@ async def start_generator(actor, index: int, proxy) -> None:
 
 async def launch(config: RunConfig, log_dir: str) -> Cluster:
     """Start the proxy and the generators; return once every generator serves through the proxy."""
+    # The proxy refuses adapter paths outside the bucket before any replica sees them.
+    adapter_root = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url).uri
     proxy = ProxyActor.options(name=f"{config.run_name}-proxy", num_cpus=config.proxy.num_cpus).remote(
-        config.proxy
+        config.proxy, adapter_root=adapter_root
     )
     cluster = Cluster(proxy=proxy, proxy_url=await proxy.start.remote())
     cluster.generators = [generator_actor(config, i, log_dir) for i in range(config.generator.replicas)]

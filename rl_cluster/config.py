@@ -182,8 +182,9 @@ class CheckConfig(Section):
 
 class ClusterConfig(Section):
     address: str | None = None
-    """Ray address to join; None joins a running cluster when there is one, else starts a local one that
-    declares the `trainer` and `generator` resources itself."""
+    """Ray address to join. None joins a running cluster when there is one (RAY_ADDRESS, or one started
+    with `ray start` on this machine), else starts a local one that declares the `trainer` and
+    `generator` resources itself; "local" always starts a new local one."""
 
 
 class RunConfig(Section):

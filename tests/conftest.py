@@ -98,3 +98,26 @@ def moto_s3(bucket: str):
             proc.wait(5)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def vllm_pids_with(marker: str) -> set[int]:
+    """vLLM server processes whose environment carries `marker` (a NAME=value a test put into the
+    environment of what it started): ours, not those of other users of this machine."""
+    out = subprocess.run(["pgrep", "-f", "vllm.entrypoints"], capture_output=True, text=True).stdout
+    pids = set()
+    for pid in map(int, out.split()):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        if marker.encode() in environ:
+            pids.add(pid)
+    return pids
+
+
+def wait_until_no_vllm_with(marker: str, timeout_s: float = 45) -> set[int]:
+    """Survivors after `timeout_s` (watchdogs need a few seconds after an owner dies)."""
+    deadline = time.monotonic() + timeout_s
+    while vllm_pids_with(marker) and time.monotonic() < deadline:
+        time.sleep(1)
+    return vllm_pids_with(marker)

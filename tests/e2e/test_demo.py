@@ -4,24 +4,22 @@ servers, the proxy, TRL training, a bucket directory), then what it left behind.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
-import time
+import uuid
 from pathlib import Path
+
+from conftest import wait_until_no_vllm_with
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = "e2e-demo"
 
 
-def vllm_pids() -> set[int]:
-    out = subprocess.run(["pgrep", "-f", "vllm.entrypoints"], capture_output=True, text=True).stdout
-    return {int(p) for p in out.split()}
-
-
 def test_shortened_demo(tmp_path):
     bucket = tmp_path / "bucket"
-    before = vllm_pids()
+    marker = f"RL_CLUSTER_E2E={uuid.uuid4().hex}"
     proc = subprocess.run(
         [
             sys.executable,
@@ -29,10 +27,12 @@ def test_shortened_demo(tmp_path):
             "--config",
             "jobs/configs/cpu_demo.toml",
             f"run_name={RUN}",
+            "cluster.address=local",
             f"bucket.uri={bucket}",
             "trainer.max_steps=60",
         ],
         cwd=REPO,
+        env={**os.environ, **dict([marker.split("=")])},
         capture_output=True,
         text=True,
         timeout=1200,
@@ -74,7 +74,4 @@ def test_shortened_demo(tmp_path):
     assert summary["served_vs_trained_gap"] <= 1e-3
 
     # No vLLM process outlives the run (watchdogs may need a few seconds).
-    deadline = time.time() + 30
-    while vllm_pids() - before and time.time() < deadline:
-        time.sleep(1)
-    assert not vllm_pids() - before
+    assert not wait_until_no_vllm_with(marker)

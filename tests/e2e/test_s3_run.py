@@ -27,6 +27,7 @@ def test_training_through_an_s3_bucket(tmp_path):
                 "--config",
                 "jobs/configs/cpu_demo.toml",
                 f"run_name={RUN}",
+                "cluster.address=local",
                 "bucket.uri=s3://rl-e2e/runs",
                 f"bucket.s3_endpoint_url={endpoint}",
                 f"bucket.cache_dir={cache}",

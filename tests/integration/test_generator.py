@@ -4,23 +4,18 @@ was published, keeps serving the previous version, and its vLLM process tree die
 from __future__ import annotations
 
 import json
-import subprocess
-import time
+import uuid
 
 import pytest
 import ray
 import requests
+from conftest import vllm_pids_with, wait_until_no_vllm_with
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.config import load_config
 from rl_cluster.core.manifest import base_model_fingerprint
 from rl_cluster.errors import AdapterRejected
 from rl_cluster.generator.actor import GeneratorActor
-
-
-def vllm_pids() -> set[int]:
-    out = subprocess.run(["pgrep", "-f", "vllm.entrypoints"], capture_output=True, text=True).stdout
-    return {int(p) for p in out.split()}
 
 
 def save_lora(model_dir, out_dir, seed: int):
@@ -38,9 +33,14 @@ def save_lora(model_dir, out_dir, seed: int):
     peft.save_pretrained(out_dir)
 
 
+MARKER = f"RL_CLUSTER_GENERATOR_TEST={uuid.uuid4().hex}"
+
+
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, resources={"generator": 1}, include_dashboard=False)
+    # The marker reaches the actor's vLLM server through the environment: this test's processes only.
+    ray.init(address="local", num_cpus=2, resources={"generator": 1}, include_dashboard=False,
+             runtime_env={"env_vars": dict([MARKER.split("=")])})  # fmt: skip
     yield
     ray.shutdown()
 
@@ -65,10 +65,9 @@ async def test_generator_verifies_loads_and_dies_cleanly(local_ray, tiny_model_d
             run, run, version, tmp_path / f"src{version}", base_model=str(tiny_model_dir),
             base_fingerprint=fingerprint, rank=1, alpha=2, target_modules="all-linear", trainer_step=version,
         )  # fmt: skip
-    before = vllm_pids()
     actor = GeneratorActor.options(num_cpus=0, resources={"generator": 1}).remote("g0", config, str(tmp_path))
     url = await actor.start.remote(0)
-    assert vllm_pids() - before, "the actor's vLLM server should be running"
+    assert vllm_pids_with(MARKER), "the actor's vLLM server should be running"
 
     await actor.load_adapter.remote(f"{run}-v1", uris[1])
     prompt = {"model": f"{run}-v1", "prompt": "1+2=", "max_tokens": 4, "temperature": 0}
@@ -87,7 +86,4 @@ async def test_generator_verifies_loads_and_dies_cleanly(local_ray, tiny_model_d
 
     # Killed without a shutdown call (as `ray.kill` or a dead node would): the watchdog ends vLLM.
     ray.kill(actor)
-    deadline = time.time() + 45
-    while vllm_pids() - before and time.time() < deadline:
-        time.sleep(1)
-    assert not vllm_pids() - before, "vLLM outlived its actor"
+    assert not wait_until_no_vllm_with(MARKER), "vLLM outlived its actor"

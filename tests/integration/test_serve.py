@@ -16,25 +16,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from conftest import free_port, vllm_pids_with
 
 pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def vllm_pids_with(marker: str) -> set[int]:
-    """vLLM server processes whose environment carries `marker`: ours, not another user's of this machine."""
-    out = subprocess.run(["pgrep", "-f", "vllm.entrypoints"], capture_output=True, text=True).stdout
-    pids = set()
-    for pid in map(int, out.split()):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:
-            continue  # gone meanwhile, or not ours to read
-        if marker.encode() in environ:
-            pids.add(pid)
-    return pids
 
 
 def lines_of(stream) -> queue.Queue:
