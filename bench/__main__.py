@@ -37,8 +37,8 @@ class Plan:
 
 
 FULL = Plan(
-    reps=3, routing_groups=24, groups_in_flight=4, max_tokens=32, overhead_requests=150, overhead_concurrency=4,
-    scaling_groups=24, handoff_versions=10, train_steps=30, train_reps=1,
+    reps=5, routing_groups=32, groups_in_flight=4, max_tokens=32, overhead_requests=300, overhead_concurrency=4,
+    scaling_groups=32, handoff_versions=10, train_steps=30, train_reps=2,
 )  # fmt: skip
 QUICK = Plan(
     reps=1, routing_groups=4, groups_in_flight=2, max_tokens=16, overhead_requests=24, overhead_concurrency=4,

@@ -19,6 +19,11 @@ def pct(value) -> str:
     return PLACEHOLDER if value is None or value != value else f"{100 * value:.1f}%"
 
 
+def span(bounds) -> str:
+    low, high = bounds
+    return f"{num(low, '.1f')}-{num(high, '.1f')}"
+
+
 def table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -41,12 +46,13 @@ def routing_section(r: dict) -> str:
             pct(x["cache_hit_rate"]),
             pct(x["share_on_busier_replica"]),
             num(x["throughput"], ".1f"),
+            span(x["throughput_range"]),
             num(x["throughput_vs_ours"], ".2f") + "x",
         ]
         for x in r["rows"]
     ]
     header = ["router", "affinity", "replica prefix-cache hit rate", "requests on busier replica",
-              "completions/s", "throughput vs ours (prefix)"]  # fmt: skip
+              "completions/s", "range over reps", "throughput vs ours (prefix)"]  # fmt: skip
     return "\n\n".join(
         [
             "## 1. Routing: prefix-aware vs round-robin vs least-loaded vs vllm-router",
@@ -154,7 +160,7 @@ def scaling_section(r: dict) -> str:
             f"Through our proxy (prefix policy), {load['groups']} GRPO groups of 8, {load['groups_in_flight']} "
             f"in flight, {load['max_tokens']} completion tokens. On 2 cores each engine is pinned to its own "
             "core, but the load generator and the proxy share those cores, so 2x is out of reach here.",
-            table(["generators", "completions/s", "vs 1 generator"], rows),
+            table(["generators", "completions/s", "range over reps", "vs 1 generator"], rows),
         ]
     )
 

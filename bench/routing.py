@@ -126,6 +126,7 @@ async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
                 "cache_hit_rate": median([r["cache_hit_rate"] for r in rs]),
                 "share_on_busier_replica": median([r["share_on_busier_replica"] for r in rs]),
                 "throughput": throughput,
+                "throughput_range": (min(r["throughput"] for r in rs), max(r["throughput"] for r in rs)),
                 "throughput_vs_ours": paired_ratio([r["throughput"] for r in rs], baseline),
                 "reps": len(rs),
             }

@@ -48,6 +48,7 @@ async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
         {
             "generators": n,
             "throughput": median(runs[n]),
+            "throughput_range": (min(runs[n]), max(runs[n])),
             "speedup_vs_1": paired_ratio(runs[n], runs[1]),
             "reps": len(runs[n]),
         }

@@ -1,6 +1,6 @@
 """Serve the generators behind the proxy, without training: one OpenAI-compatible endpoint.
 
-    python jobs/serve.py --config jobs/configs/cpu_demo.toml [--port P] [--local-ray] [section.field=value ...]
+    python jobs/serve.py --config jobs/configs/cpu_demo.toml [--port P] [section.field=value ...]
 
 Joins a running Ray cluster if there is one, else starts a local one; starts the configured vLLM
 generators and the proxy, prints `proxy listening on http://HOST:PORT`, and serves until SIGINT or
@@ -27,18 +27,12 @@ def parse_args(argv=None):
     )
     parser.add_argument("--config", required=True, help="run TOML under jobs/configs/")
     parser.add_argument("--port", type=int, help="port the proxy binds (overrides proxy.port)")
-    parser.add_argument(
-        "--local-ray",
-        action="store_true",
-        help="start a private local Ray cluster even if one runs on this machine (Ray's address discovery "
-        "would join any cluster it finds, another user's included)",
-    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. generator.replicas=1")
     # Intermixed: overrides may come before and after --port.
     return parser.parse_intermixed_args(argv)
 
 
-async def serve(config, local_ray: bool = False) -> None:
+async def serve(config) -> None:
     import ray
 
     from rl_cluster.cluster import connect, launch
@@ -47,9 +41,6 @@ async def serve(config, local_ray: bool = False) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    if local_ray:
-        # Serving needs only the generators' resource; connect() below then keeps this cluster.
-        ray.init(address="local", num_cpus=os.cpu_count(), resources={"generator": config.generator.replicas})
     connect(config)
     log_dir = os.path.abspath(os.path.join(".cache", "logs", config.run_name))
     try:
@@ -77,7 +68,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     overrides = list(args.overrides) + ([f"proxy.port={args.port}"] if args.port is not None else [])
     config = load_config(args.config, overrides)
-    asyncio.run(serve(config, args.local_ray))
+    asyncio.run(serve(config))
     return 0
 
 

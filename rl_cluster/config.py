@@ -121,6 +121,9 @@ class ProxyConfig(Section):
     """Port the proxy binds; 0 picks a free one."""
     auth_token: str | None = None
     """Bearer token required on control routes (load, unload, pause, resume, replicas)."""
+    routing_policy: Literal["prefix", "round_robin", "least_loaded"] = "prefix"
+    """How generation requests pick a replica: by prompt prefix (and adapter version) with the imbalance
+    guard, or one of the two baselines the benchmarks compare it with."""
     block_size: int = Field(16, ge=1)
     """Prompt tokens (or characters, for text prompts) per routing hash block."""
     imbalance_threshold: int = Field(8, ge=0)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 RouteReason = Literal["affinity", "spill", "unmatched"]
+RoutingPolicy = Literal["prefix", "round_robin", "least_loaded"]
 
 _DIGEST_BYTES = 8
 
@@ -144,6 +145,7 @@ def choose_replica(
     in_flight: Mapping[str, int],
     imbalance_threshold: int,
     served: Mapping[str, int] | None = None,
+    policy: RoutingPolicy = "prefix",
 ) -> RouteDecision:
     """Pick a replica among the keys of `in_flight` (the eligible ones, with their in-flight counts).
 
@@ -151,6 +153,7 @@ def choose_replica(
     least-loaded replica's by more than `imbalance_threshold` (then the least-loaded: a spill). Without any
     match, the least-loaded. Ties go to fewer in-flight, then fewer requests served so far (so sequential
     traffic alternates), then the smaller replica id: the same inputs always give the same answer.
+    The baselines `round_robin` and `least_loaded` ignore prefixes (reason "unmatched").
     """
     if not in_flight:
         raise ValueError("no eligible replica")
@@ -160,6 +163,11 @@ def choose_replica(
         return in_flight[replica_id], served.get(replica_id, 0), replica_id
 
     least_loaded = min(in_flight, key=load_key)
+    if policy == "least_loaded":
+        return RouteDecision(least_loaded, "unmatched", 0)
+    if policy == "round_robin":
+        # Fewest requests so far: over eligible replicas this is a rotation that survives joins and leaves.
+        return RouteDecision(min(in_flight, key=lambda r: (served.get(r, 0), r)), "unmatched", 0)
     matches = specific_matches(hashes, table, in_flight)
     best = min(in_flight, key=lambda r: (-matches[r], *load_key(r)))
     if matches[best] == 0:

@@ -463,6 +463,7 @@ class ProxyServer:
                 {r: self._book.in_flight(r) for r in eligible},
                 self.config.imbalance_threshold,
                 served={r: self._replicas[r].requests for r in eligible},
+                policy=self.config.routing_policy,
             )
             if tried:
                 self._retries += 1

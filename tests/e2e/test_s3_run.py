@@ -4,7 +4,6 @@ replicas load every version from their own verified local cache."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,9 @@ REPO = Path(__file__).resolve().parents[2]
 RUN = "e2e-s3"
 
 
-def test_training_through_an_s3_bucket(tmp_path):
+def test_training_through_an_s3_bucket(tmp_path, monkeypatch):
+    for key, value in S3_ENV.items():
+        monkeypatch.setenv(key, value)
     cache = tmp_path / "cache"
     with moto_s3("rl-e2e") as endpoint:
         proc = subprocess.run(
@@ -34,7 +35,6 @@ def test_training_through_an_s3_bucket(tmp_path):
                 "trainer.max_steps=4",
             ],
             cwd=REPO,
-            env={**os.environ, **S3_ENV},
             capture_output=True,
             text=True,
             timeout=900,

@@ -54,13 +54,13 @@ def test_serve_until_sigint(tmp_path):
     marker = f"RL_CLUSTER_SERVE_TEST={uuid.uuid4().hex}"
     env = {**os.environ, marker.split("=")[0]: marker.split("=")[1]}
     env.pop("RAY_ADDRESS", None)
-    # A Ray temp dir of its own (short: Ray's socket paths have a length limit), and --local-ray: the job
+    # A Ray temp dir of its own (short: Ray's socket paths have a length limit), and cluster.address=local: the job
     # starts a cluster of its own instead of joining one someone else runs on this machine.
     env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rls", dir="/tmp")
     port = free_port()
     command = [
         sys.executable, "jobs/serve.py", "--config", "jobs/configs/cpu_demo.toml",
-        "generator.replicas=1", f"bucket.uri={tmp_path / 'bucket'}", "--port", str(port), "--local-ray",
+        "generator.replicas=1", f"bucket.uri={tmp_path / 'bucket'}", "--port", str(port), "cluster.address=local",
         f"run_name=serve-test-{uuid.uuid4().hex[:6]}",
     ]  # fmt: skip
     proc = subprocess.Popen(

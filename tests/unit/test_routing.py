@@ -168,3 +168,17 @@ def test_request_prompt():
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     assert request_prompt(chat) == request_prompt({"messages": [{"content": "hi", "role": "user"}]})
     assert request_prompt({}) == ""
+
+
+def test_baseline_policies_ignore_prefixes():
+    table = PrefixTable(capacity=100)
+    hashes = block_hashes("m", list(range(64)), 16)
+    table.record(hashes, "r0")
+    in_flight = {"r0": 0, "r1": 1}
+    served = {"r0": 5, "r1": 2}
+    assert choose_replica(hashes, table, in_flight, 8, served).replica_id == "r0"  # prefix: affinity
+    assert choose_replica(hashes, table, in_flight, 8, served, policy="round_robin").replica_id == "r1"
+    assert choose_replica(hashes, table, in_flight, 8, served, policy="least_loaded").replica_id == "r0"
+    assert (
+        choose_replica(hashes, table, {"r0": 3, "r1": 1}, 8, served, policy="least_loaded").replica_id == "r1"
+    )
