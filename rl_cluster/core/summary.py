@@ -16,6 +16,8 @@ def step_record(step: int, logs: dict, policy_version: int, handoff_s: float | N
         "handoff_s": handoff_s,
         "dropped_stale": logs.get("sample/dropped_stale_total") or 0.0,
         "loss": logs.get("loss"),
+        # Trainer vs sampler on the same tokens (TRL's estimate); ~0 while the policy has not moved.
+        "kl": logs.get("kl"),
         "step_s": logs.get("perf/step_s"),
         "rollout_wait_s": logs.get("perf/rollout_wait_s"),
     }

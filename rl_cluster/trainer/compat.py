@@ -10,6 +10,11 @@ unpatched code fails on a CPU machine) and that the replacement is correct.
 2. `get_peak_flops_per_device` (the MFU probe) calls `torch.cuda.get_device_name` unconditionally,
    which raises on a CPU-only torch: without CUDA we report "unknown peak" (MFU off), as TRL does for
    unknown GPUs.
+3. `bf16` defaults to on in AsyncGRPOConfig and fails on a CPU.
+4. The adapter name prefix is hard-coded (`trl-policy`), for every run: a second run against the same
+   servers collides ("already loaded"), and vLLM keys its prefix cache by name.
+5. The rollout worker's score queue holds 16 groups, not configurable: on a small batch that is
+   several steps' worth of finished samples waiting, which then go stale and are dropped.
 """
 
 from __future__ import annotations
@@ -92,3 +97,15 @@ def training_precision_kwargs() -> dict:
     if torch.cuda.is_available():
         return {}
     return {"bf16": False, "fp16": False, "use_cpu": True}
+
+
+def name_run_adapters(trainer, prefix: str) -> None:
+    """Publish `<prefix>-vN` instead of TRL's fixed `trl-policy-vN` (before train(): the rollout worker
+    reads the name when its process starts)."""
+    trainer._lora_name = prefix
+    trainer.rollout_worker._loop_kwargs["lora_name"] = prefix
+
+
+def bound_score_queue(trainer, groups: int) -> None:
+    """Let at most `groups` finished groups wait for scoring (before train())."""
+    trainer.rollout_worker._loop_kwargs["score_queue_maxsize"] = groups

@@ -25,6 +25,7 @@ from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer, sav
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.core.manifest import adapter_dir_name
+from rl_cluster.trainer.compat import bound_score_queue, name_run_adapters
 from rl_cluster.trainer.proxy_client import ProxyClient
 
 
@@ -47,14 +48,10 @@ class BucketSyncTrainer(AsyncGRPOTrainer):
                 "rl_cluster publishes LoRA adapters only: the trainer needs a PEFT LoRA config and generators "
                 "started with --enable-lora (check generator.max_loras and generator.max_lora_rank)"
             )
-        # TRL names every run's adapters `trl-policy-vN`; a second run against the same servers would then
-        # collide ("already loaded"), and vLLM keys its prefix cache by name. Each run gets its own prefix.
-        self._lora_name = run_name
-        self.rollout_worker._loop_kwargs["lora_name"] = run_name
-        # Admission control: finished groups wait to be scored in a queue of 16 groups by default, which
-        # on a small batch holds several steps' worth of samples that then go stale. One step's worth.
-        groups_per_step = max(1, self.args.per_device_train_batch_size // self.args.num_generations)
-        self.rollout_worker._loop_kwargs["score_queue_maxsize"] = groups_per_step
+        name_run_adapters(self, run_name)
+        bound_score_queue(
+            self, groups=max(1, self.args.per_device_train_batch_size // self.args.num_generations)
+        )
         self.run_name = run_name
         self.bucket = bucket
         self.proxy = proxy

@@ -69,6 +69,11 @@ def test_shortened_demo(tmp_path):
         assert manifest["adapter_name"] == name or manifest["version"] == int(name.rsplit("-v", 1)[1])
         assert (run_dir / "adapters" / name / "adapter_model.safetensors").exists()
 
+    # The trainer's packed attention (our CPU replacement of TRL's kernel) scores the first step's tokens
+    # as the sampler did: the adapter is still zero there, so their KL is numerically zero.
+    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["kl"] is not None and abs(first["kl"]) < 1e-4, first
+
     # Served = trained.
     assert summary["served_vs_trained_gap"] is not None
     assert summary["served_vs_trained_gap"] <= 1e-3

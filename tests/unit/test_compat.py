@@ -74,3 +74,21 @@ def test_workarounds_install_and_are_idempotent():
     acc = type("Acc", (), {"device": torch.device("cpu")})()
     assert async_grpo_trainer.get_peak_flops_per_device(acc, "float32") is None
     assert compat.training_precision_kwargs()["bf16"] is False
+
+
+def test_trl_fixes_the_adapter_name_and_the_score_queue():
+    """What name_run_adapters and bound_score_queue change is hard-wired in TRL 1.16."""
+    import inspect
+
+    from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer
+    from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
+
+    assert 'self._lora_name = "trl-policy"' in inspect.getsource(AsyncGRPOTrainer.__init__)
+    assert inspect.signature(_AsyncRolloutLoop.__init__).parameters["score_queue_maxsize"].default == 16
+
+    worker = type("Worker", (), {"_loop_kwargs": {"lora_name": "trl-policy", "score_queue_maxsize": 16}})()
+    trainer = type("Trainer", (), {"rollout_worker": worker, "_lora_name": "trl-policy"})()
+    compat.name_run_adapters(trainer, "run-a")
+    compat.bound_score_queue(trainer, 4)
+    assert trainer._lora_name == "run-a"
+    assert worker._loop_kwargs == {"lora_name": "run-a", "score_queue_maxsize": 4}
