@@ -1,10 +1,6 @@
 """How a vLLM server is launched follows from the config (no server is started here)."""
 
-import subprocess
-import sys
-import time
-
-from rl_cluster.generator.server import ServerSpec, VLLMServer, group_alive
+from rl_cluster.generator.server import ServerSpec, VLLMServer
 
 
 def test_command_carries_the_lora_and_logprob_flags():
@@ -25,28 +21,6 @@ def test_environment_enables_runtime_lora_and_pins_a_core():
     env = ServerSpec(model="/m", port=9, cpu_core=1, kv_cache_gb=2).environment()
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1" and env["VLLM_SERVER_DEV_MODE"] == "1"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
-
-
-def test_watchdog_ends_the_group_when_its_owner_dies(tmp_path):
-    """The watchdog mechanism itself, on a stand-in process tree (the real vLLM case is in
-    tests/integration/test_generator.py)."""
-    tree = "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"
-    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-    group = subprocess.Popen([sys.executable, "-c", tree], start_new_session=True)
-    watchdog = subprocess.Popen(
-        [sys.executable, "-m", "rl_cluster.generator.watchdog", str(owner.pid), str(group.pid)],
-        start_new_session=True,
-    )
-    time.sleep(1.5)
-    assert group_alive(group.pid)
-    owner.kill()
-    owner.wait()
-    watchdog.wait(timeout=20)
-    group.wait(timeout=5)
-    deadline = time.time() + 10
-    while group_alive(group.pid) and time.time() < deadline:
-        time.sleep(0.2)
-    assert not group_alive(group.pid)
 
 
 def test_stop_without_start_is_a_no_op(tmp_path):
