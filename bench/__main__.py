@@ -59,6 +59,9 @@ def parse_args(argv=None):
     parser.add_argument(
         "--out", type=Path, default=None, help="markdown output (quick default: bench_results/)"
     )
+    parser.add_argument(
+        "--render", type=Path, default=None, help="rewrite the markdown from a results.json, running nothing"
+    )
     parser.add_argument("--only", nargs="*", choices=list(BENCHMARKS), default=None, help="run only these")
     return parser.parse_args(argv)
 
@@ -100,6 +103,12 @@ def main(argv=None) -> int:
     else:
         out = (args.out or REPO / "BENCHMARKS.md").absolute()
         plots_dir = REPO / "docs" / "bench" if args.out is None else out.parent
+    if args.render is not None:  # prose changed, numbers did not: keep the run's machine, date and command
+        saved = json.loads(args.render.read_text())
+        info, command = saved.pop("machine"), saved.pop("command", "python -m bench")
+        report.write(out, plots_dir, saved, info, command, quick=saved["plan"]["reps"] == QUICK.reps)
+        print(f"wrote {out} from {args.render}")
+        return 0
     command = "python -m bench" + "".join(
         f" {shlex.quote(a)}" for a in (argv if argv is not None else sys.argv[1:])
     )
@@ -111,7 +120,9 @@ def main(argv=None) -> int:
     results = asyncio.run(run_all(plan, args.only, work))
     results["plan"] = asdict(plan)
     report.write(out, plots_dir, results, info, command, args.quick)
-    (plots_dir / "results.json").write_text(json.dumps({"machine": info, **results}, indent=1, default=str))
+    (plots_dir / "results.json").write_text(
+        json.dumps({"machine": info, "command": command, **results}, indent=1, default=str)
+    )
     failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
     print(
         f"wrote {out} in {time.monotonic() - started:.0f}s"

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -327,9 +328,20 @@ async def json_service(args: Sequence[str], log_path: Path, timeout_s: float = 6
             raise RuntimeError(f"{' '.join(args[:2])} exited before serving; see {log_path}")
         yield json.loads(line)
     finally:
-        terminate_group(process.pid, grace_s=5)
+        await stop_group(process)
+
+
+async def stop_group(process: asyncio.subprocess.Process, grace_s: float = 5.0) -> None:
+    """SIGTERM the process group, SIGKILL it after `grace_s`; reaped through asyncio (a plain waitpid
+    would steal the exit status from asyncio's child watcher)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         with contextlib.suppress(ProcessLookupError):
-            await process.wait()
+            os.killpg(process.pid, sig)
+        try:
+            await asyncio.wait_for(process.wait(), grace_s)
+            return
+        except TimeoutError:
+            continue
 
 
 @contextlib.asynccontextmanager

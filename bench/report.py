@@ -67,6 +67,16 @@ def routing_section(r: dict) -> str:
             "(G-1)/G x 128/prompt tokens). Medians over repetitions; the ratio is the median of per-repetition "
             "ratios against our prefix policy in the same repetition.",
             table(header, rows),
+            "How to read the throughput column on this machine: one replica out-runs two here (see 4. "
+            "Scaling), so a router that piles every request onto one replica looks fast on 2 cores and would "
+            "halve capacity on a real cluster. *Requests on busier replica* shows which routers did that. "
+            "The cache columns are the portable result: they say whether a group's G samples met their shared "
+            "prompt prefix in one replica's KV cache. The gap between the policies is small here because "
+            "only one 128-token block of each prompt can be cached: a group split over two replicas misses "
+            f"once per replica, (G-2)/G x 128/{load['prompt_tokens']} = "
+            f"{pct((load['group_size'] - 2) / load['group_size'] * 128 / load['prompt_tokens'])}, against "
+            f"{pct((load['group_size'] - 1) / load['group_size'] * 128 / load['prompt_tokens'])} for a group kept "
+            "together. It grows with longer prompts (more blocks per prompt) and more replicas.",
             *[f"> {note}" for note in r["notes"]],
         ]
     )
@@ -91,8 +101,10 @@ def overhead_section(r: dict) -> str:
         [
             "## 2. Proxy overhead",
             f"One vLLM replica; {load['requests']} requests of {load['prompt_tokens']} prompt tokens and "
-            f"{load['max_tokens']} completion tokens, {load['concurrency']} in flight. Added latency is the "
-            "median over repetitions of (path - direct) in the same repetition.",
+            f"{load['max_tokens']} completion tokens, {load['concurrency']} in flight, in {load['rounds']} short "
+            "rounds that alternate the paths (so that other users' load on this shared machine hits all paths "
+            "alike). Added latency is the median over rounds of (path - direct) in the same round; differences "
+            "of a few milliseconds are within this machine's noise (a negative value means just that).",
             table(header, rows),
             *[f"> {note}" for note in r["notes"]],
         ]
@@ -151,15 +163,26 @@ def handoff_section(r: dict) -> str:
 def scaling_section(r: dict) -> str:
     load = r["load"]
     rows = [
-        [str(x["generators"]), num(x["throughput"], ".1f"), num(x["speedup_vs_1"], ".2f") + "x"]
+        [
+            str(x["generators"]),
+            num(x["throughput"], ".1f"),
+            span(x["throughput_range"]),
+            num(x["speedup_vs_1"], ".2f") + "x",
+        ]
         for x in r["rows"]
     ]
     return "\n\n".join(
         [
             "## 4. Scaling: rollout throughput with 1 and 2 generators",
             f"Through our proxy (prefix policy), {load['groups']} GRPO groups of 8, {load['groups_in_flight']} "
-            f"in flight, {load['max_tokens']} completion tokens. On 2 cores each engine is pinned to its own "
-            "core, but the load generator and the proxy share those cores, so 2x is out of reach here.",
+            f"in flight, {load['max_tokens']} completion tokens, the same two replicas (one or both registered "
+            "with the proxy). Read this as a fact about this 2-core machine, not about the design: each engine is "
+            "pinned to its own core, and everything else (both replicas' API-server and scheduler processes, "
+            "the proxy, the load generator, and other users' work on this shared machine) runs on those same "
+            "two cores. The likely reason (not measured separately) is that with one generator the second core "
+            "is left to that Python work, while with two it is not, and the tiny model is so cheap that "
+            "per-request Python work, not the model, sets the pace. On machines where each generator has its "
+            "own cores or GPU, this is the number to re-measure.",
             table(["generators", "completions/s", "range over reps", "vs 1 generator"], rows),
         ]
     )
@@ -207,10 +230,12 @@ def async_section(r: dict) -> str:
             "trainer can do is (g + t) / max(g, t).",
             *(
                 [
-                    "> Measured above ideal: g as measured includes more than generation (after each sync the "
-                    "synchronous trainer first drains and drops the stale samples the queue filled with, and "
-                    "the rollout worker has to notice the new version before fresh groups start), so the "
-                    "ideal computed from it is an estimate, not a bound."
+                    "> Measured above ideal: g is the on-policy trainer's wait for rollouts, which holds more "
+                    "than generating one step's samples: after each sync it first drains and drops the samples "
+                    "made on the previous policy while it trained, and that policy's groups still in flight "
+                    "finish before fresh ones start. In the asynchronous run the generators sat idle "
+                    f"{pct(r['rows'][1]['generator_idle'])} of the time, so generating a step's samples takes "
+                    "less than g. The ideal computed from g is an estimate, not a bound."
                 ]
                 if s["share_of_ideal"] > 1
                 else []

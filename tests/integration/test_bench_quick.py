@@ -27,7 +27,8 @@ NUMBER = re.compile(r"[-+]?\d+(\.\d+)?")
 def table_rows(text: str, heading: str) -> list[list[str]]:
     """The body rows of the first markdown table after `heading`."""
     section = text.split(heading, 1)[1].split("\n## ", 1)[0]
-    lines = [line for line in section.splitlines() if line.startswith("|")]
+    first_table = section.split("\n|", 1)[1].split("\n\n", 1)[0]
+    lines = ("|" + first_table).splitlines()
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
 
 
