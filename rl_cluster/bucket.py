@@ -1,13 +1,17 @@
-"""The bucket: where adapter versions, run configs and metrics live, as a directory or an s3:// prefix.
+"""The bucket: where adapter versions, checkpoints, run configs and metrics live, as a directory or an
+s3:// prefix.
 
-Layout: `<bucket>/<run_name>/adapters/<adapter_name>-v<N>/` holds the PEFT files and `manifest.json`.
-Publication is files first, manifest last, so a reader that sees a manifest sees every file it lists:
+Layout: `<bucket>/<run_name>/adapters/<adapter_name>-v<N>/` holds the PEFT files and `manifest.json`;
+`<bucket>/<run_name>/checkpoints/step-<N>/` holds what the HF Trainer saved at step N and `manifest.json`.
+Both go through the same code. Publication is files first, manifest last, so a reader that sees a manifest
+sees every file it lists:
   - directory: everything goes into a dot-prefixed temporary directory (listings skip it), is fsynced,
     and the directory is renamed into place in one step;
   - s3: the files are uploaded, then the manifest; an S3 PUT is atomic, so its presence is the commit.
 Readers trust nothing else: `fetch_verified` checks the manifest against every file (size, sha256), the
-base model and the replica's max LoRA rank before a path is handed to vLLM. Deletion runs in reverse
-(manifest first), so no reader ever sees a manifest whose files are gone.
+base model and the replica's max LoRA rank before a path is handed to vLLM; `fetch_checkpoint` checks a
+checkpoint's files the same way before a trainer resumes from it. Deletion runs in reverse (manifest
+first), so no reader ever sees a manifest whose files are gone.
 
 Every bucket operation is retried a bounded number of times with exponential backoff; when the bucket
 stays unreachable the caller gets BucketUnavailable naming the URI and the last error.
@@ -23,19 +27,27 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
 from rl_cluster.core.manifest import (
+    ADAPTER,
+    CHECKPOINT,
+    CHECKPOINT_REQUIRED_FILES,
     MANIFEST_NAME,
     REQUIRED_FILES,
     adapter_dir_name,
+    build_checkpoint_manifest,
     build_manifest,
+    check_checkpoint_compatible,
     check_compatible,
     check_files,
+    checkpoint_dir_name,
     manifest_to_json,
     parse_adapter_dir_name,
+    parse_checkpoint_dir_name,
     parse_manifest,
     sha256_of,
     split_adapter_dir_name,
@@ -47,6 +59,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 ADAPTERS_DIR = "adapters"
+CHECKPOINTS_DIR = "checkpoints"
 _CHUNK = 1 << 20
 # Errors that say something definite about the request, not about reachability: retrying cannot help.
 _DEFINITIVE = (
@@ -58,6 +71,45 @@ _DEFINITIVE = (
     AdapterError,
     ValueError,
     TypeError,
+)
+Digests = Mapping[str, tuple[int, str]]  # file name -> (size, sha256)
+Manifest = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """What differs between the kinds of published directory; publication, listing, verification and
+    deletion are shared."""
+
+    manifest_kind: str  # the manifest's `kind`
+    subdir: str  # the directory under `<run>/`
+    noun: str  # in messages: "not a <noun> directory"
+    article: str  # in messages: "'..' in <article> path"
+    pattern: str  # how a directory is named, in messages
+    is_dir_name: Callable[[str], bool]
+    never_reused: str  # why publishing over an existing one is refused
+    cache_under_subdir: bool  # cached as `<cache>/<run>/<subdir>/<name>` (else `<cache>/<run>/<name>`)
+
+
+_ADAPTERS = _Kind(
+    ADAPTER,
+    ADAPTERS_DIR,
+    "version",
+    "an adapter",
+    "<name>-v<N>",
+    lambda name: split_adapter_dir_name(name) is not None,
+    "adapter names are never reused",
+    cache_under_subdir=False,  # the generators' cache layout (apply_cache_retention) predates checkpoints
+)
+_CHECKPOINTS = _Kind(
+    CHECKPOINT,
+    CHECKPOINTS_DIR,
+    "checkpoint",
+    "a checkpoint",
+    "step-<N>",
+    lambda name: parse_checkpoint_dir_name(name) is not None,
+    "checkpoints are never overwritten",
+    cache_under_subdir=True,
 )
 
 
@@ -109,6 +161,10 @@ class Bucket:
         """Where version N of an adapter lives (what `publish_adapter` returns)."""
         return self._uri(self._version_path(run_name, adapter_name, version))
 
+    def checkpoint_uri(self, run_name: str, step: int) -> str:
+        """Where the checkpoint of trainer step N lives (what `publish_checkpoint` returns)."""
+        return self._uri(self._checkpoint_path(run_name, step))
+
     def _path(self, *parts: str) -> str:
         """Bucket-internal path: an absolute directory path, or `bucket/prefix/...` for s3fs."""
         return "/".join([self._root, *parts])
@@ -119,6 +175,9 @@ class Bucket:
     def _version_path(self, run_name: str, adapter_name: str, version: int) -> str:
         name = adapter_dir_name(_plain(adapter_name, "adapter_name"), version)
         return self._path(_plain(run_name, "run_name"), ADAPTERS_DIR, name)
+
+    def _checkpoint_path(self, run_name: str, step: int) -> str:
+        return self._path(_plain(run_name, "run_name"), CHECKPOINTS_DIR, checkpoint_dir_name(step))
 
     # ---------------------------------------------------------------- retries
 
@@ -222,36 +281,76 @@ class Bucket:
         Refuses (FileExistsError) a version that already exists: names are never reused, since vLLM keys
         its prefix cache by adapter name and would serve the old policy's KV blocks.
         """
-        files = _adapter_files(Path(src_dir), rank)
+        src = Path(src_dir)
+        files = _flat_files(src, REQUIRED_FILES, "a PEFT save_pretrained directory")
+        peft_rank = json.loads((src / "adapter_config.json").read_text()).get("r")
+        if peft_rank is not None and peft_rank != rank:
+            raise ValueError(f"{src}: adapter_config.json says r={peft_rank}, but rank={rank} was given")
         final = self._version_path(run_name, adapter_name, version)
-        meta = dict(
-            adapter_name=adapter_name,
-            version=version,
-            base_model=base_model,
-            base_fingerprint=base_fingerprint,
-            rank=rank,
-            alpha=alpha,
-            target_modules=target_modules,
-            trainer_step=trainer_step,
-            created_at=_dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds"),
-        )
+
+        def manifest(digests: Digests) -> Manifest:
+            return build_manifest(
+                adapter_name=adapter_name,
+                version=version,
+                base_model=base_model,
+                base_fingerprint=base_fingerprint,
+                rank=rank,
+                alpha=alpha,
+                target_modules=target_modules,
+                trainer_step=trainer_step,
+                created_at=_now(),
+                files=digests,
+            )
+
+        return self._publish(final, files, manifest, _ADAPTERS)
+
+    def publish_checkpoint(
+        self, run_name: str, step: int, src_dir: str | Path, *, base_model: str, base_fingerprint: str
+    ) -> str:
+        """Publish a HF Trainer checkpoint directory (flat: adapter, optimizer, scheduler, RNG and trainer
+        state) as `<run>/checkpoints/step-<N>/`; returns its URI.
+
+        The same rule as adapters: files first, manifest last; FileExistsError for a step already published
+        (a checkpoint is never overwritten); ValueError for a directory with subdirectories (a DeepSpeed
+        `global_step*/`, say: not supported) or without trainer_state.json.
+        """
+        files = _flat_files(Path(src_dir), CHECKPOINT_REQUIRED_FILES, "a HF Trainer checkpoint directory")
+        final = self._checkpoint_path(run_name, step)
+
+        def manifest(digests: Digests) -> Manifest:
+            return build_checkpoint_manifest(
+                step=step,
+                base_model=base_model,
+                base_fingerprint=base_fingerprint,
+                created_at=_now(),
+                files=digests,
+            )
+
+        return self._publish(final, files, manifest, _CHECKPOINTS)
+
+    def _publish(
+        self, final: str, files: list[Path], manifest: Callable[[Digests], Manifest], kind: _Kind
+    ) -> str:
+        """Publish `files` as the directory `final`, committed by `manifest(their digests)`."""
         if self.is_remote:
-            self._publish_s3(final, files, meta)
+            self._publish_s3(final, files, manifest, kind)
         else:
-            self._retry(f"publish {final}", _publish_dir, Path(final), files, meta)
+            self._retry(f"publish {final}", _publish_dir, Path(final), files, manifest, kind.never_reused)
         return self._uri(final)
 
-    def _publish_s3(self, final: str, files: list[Path], meta: dict[str, Any]) -> None:
+    def _publish_s3(
+        self, final: str, files: list[Path], manifest: Callable[[Digests], Manifest], kind: _Kind
+    ) -> None:
         manifest_path = f"{final}/{MANIFEST_NAME}"
         if self._retry(f"check {manifest_path}", self._s3_exists, manifest_path):
-            raise FileExistsError(f"{self._uri(final)} is already published; adapter names are never reused")
+            raise FileExistsError(f"{self._uri(final)} is already published; {kind.never_reused}")
         try:
             digests = {}
             for src in files:
                 data = src.read_bytes()  # one read: what is hashed is exactly what is uploaded
                 digests[src.name] = sha256_of([data])
                 self._retry(f"upload {final}/{src.name}", self.s3.pipe_file, f"{final}/{src.name}", data)
-            text = manifest_to_json(build_manifest(files=digests, **meta))
+            text = manifest_to_json(manifest(digests))
             self._retry(f"commit {manifest_path}", self.s3.pipe_file, manifest_path, text.encode())
         except BaseException:
             # Files without a manifest are invisible to readers already; tidy up if the bucket lets us.
@@ -263,19 +362,29 @@ class Bucket:
 
     def list_versions(self, run_name: str, adapter_name: str) -> list[int]:
         """Committed versions (those with a manifest), oldest first."""
-        adapters = self._path(_plain(run_name, "run_name"), ADAPTERS_DIR)
         _plain(adapter_name, "adapter_name")
+        adapters = self._path(_plain(run_name, "run_name"), ADAPTERS_DIR)
+        return self._list(adapters, lambda name: parse_adapter_dir_name(adapter_name, name))
+
+    def list_checkpoints(self, run_name: str) -> list[int]:
+        """Steps of the committed checkpoints (those with a manifest), oldest first."""
+        return self._list(
+            self._path(_plain(run_name, "run_name"), CHECKPOINTS_DIR), parse_checkpoint_dir_name
+        )
+
+    def _list(self, parent: str, parse: Callable[[str], int | None]) -> list[int]:
+        """N of each `parent/<name>/manifest.json` whose name `parse` maps to N, sorted."""
         if not self.is_remote:
-            return self._retry(f"list {adapters}", _dir_versions, Path(adapters), adapter_name)
+            return self._retry(f"list {parent}", _dir_versions, Path(parent), parse)
         try:
-            keys = self._retry(f"list {adapters}", self.s3.find, adapters)
+            keys = self._retry(f"list {parent}", self.s3.find, parent)
         except FileNotFoundError:
             return []
         versions = set()
         for key in keys:
-            parts = key[len(adapters) + 1 :].split("/")
+            parts = key[len(parent) + 1 :].split("/")
             if len(parts) == 2 and parts[1] == MANIFEST_NAME:
-                version = parse_adapter_dir_name(adapter_name, parts[0])
+                version = parse(parts[0])
                 if version is not None:
                     versions.add(version)
         return sorted(versions)
@@ -292,23 +401,55 @@ class Bucket:
         Raises AdapterNotFound when no manifest is visible yet (retry later), AdapterRejected when the
         version is not what was published or does not fit this replica, BucketUnavailable when unreachable.
         """
-        run_name, name = self._locate(version_uri)
-        checks = dict(expected_name=name, base_fingerprint=base_fingerprint, max_lora_rank=max_lora_rank)
+
+        def precheck(manifest: Manifest, name: str) -> None:
+            check_compatible(
+                manifest, expected_name=name, base_fingerprint=base_fingerprint, max_lora_rank=max_lora_rank
+            )
+
+        return self._fetch(version_uri, _ADAPTERS, cache_dir, precheck)
+
+    def fetch_checkpoint(
+        self, checkpoint_uri: str, *, cache_dir: str | Path, base_fingerprint: str | None = None
+    ) -> Path:
+        """A local directory holding the checkpoint, verified against its manifest, to resume from.
+
+        As `fetch_verified`: in place for a directory bucket (inside the bucket root), downloaded into
+        `cache_dir/<run>/checkpoints/step-<N>/` for s3. AdapterNotFound when no manifest is visible,
+        AdapterRejected when a file is not what was published (the message names it) or, when
+        `base_fingerprint` is given, the checkpoint was trained on another base model.
+        """
+
+        def precheck(manifest: Manifest, name: str) -> None:
+            check_checkpoint_compatible(manifest, expected_name=name, base_fingerprint=base_fingerprint)
+
+        return self._fetch(checkpoint_uri, _CHECKPOINTS, cache_dir, precheck)
+
+    def _fetch(
+        self, uri: str, kind: _Kind, cache_dir: str | Path, precheck: Callable[[Manifest, str], None]
+    ) -> Path:
+        """Verified local directory of a published one; `precheck(manifest, name)` runs before any file
+        is hashed or downloaded."""
+        run_name, name = self._locate(uri, kind)
         if not self.is_remote:
             root = Path(self._root).resolve()
-            version_dir = Path(self._path(run_name, ADAPTERS_DIR, name))
-            return self._retry(f"verify {version_dir}", _verify_dir, version_dir, root=root, **checks)
-        cached = Path(cache_dir).absolute() / run_name / name
+            published = Path(self._path(run_name, kind.subdir, name))
+            return self._retry(
+                f"verify {published}", _verify_dir, published, root=root, kind=kind, precheck=precheck
+            )
+        cached = Path(cache_dir).absolute() / run_name
+        cached = (cached / kind.subdir if kind.cache_under_subdir else cached) / name
         if (cached / MANIFEST_NAME).is_file():
             try:
-                return _verify_dir(cached, root=None, **checks)
+                return _verify_dir(cached, root=None, kind=kind, precheck=precheck)
             except AdapterRejected as e:
                 log.warning("cached copy %s is bad (%s); downloading it again", cached, e)
                 _delete_dir_version(cached)
-        return self._download(self._path(run_name, ADAPTERS_DIR, name), cached, checks)
+        return self._download(self._path(run_name, kind.subdir, name), cached, kind, precheck)
 
-    def _locate(self, version_uri: str) -> tuple[str, str]:
-        """(run_name, `<name>-vN`) of a version URI; AdapterRejected unless it is a version of this bucket."""
+    def _locate(self, version_uri: str, kind: _Kind) -> tuple[str, str]:
+        """(run_name, directory name) of a version or checkpoint URI; AdapterRejected unless it is one of
+        this bucket."""
         if self.is_remote:
             if not version_uri.startswith("s3://"):
                 raise AdapterRejected(f"{version_uri}: not an s3:// URI, but the bucket is {self.uri}")
@@ -322,7 +463,7 @@ class Bucket:
         else:
             path = Path(version_uri.removeprefix("file://")).expanduser()
             if ".." in path.parts:
-                raise AdapterRejected(f"{version_uri}: '..' in an adapter path is refused")
+                raise AdapterRejected(f"{version_uri}: '..' in {kind.article} path is refused")
             root = Path(self._root).resolve()
             path = path.absolute()
             resolved = path.resolve()  # follows symlinks: a link pointing out of the bucket is caught here
@@ -333,34 +474,34 @@ class Bucket:
                 )
             # The name as given (not as resolved): a link `p-v3 -> p-v2` must fail the manifest name check.
             rel = [*parent.relative_to(root).parts, path.name]
-        if len(rel) != 3 or rel[1] != ADAPTERS_DIR or split_adapter_dir_name(rel[2]) is None:
+        if len(rel) != 3 or rel[1] != kind.subdir or not kind.is_dir_name(rel[2]):
             raise AdapterRejected(
-                f"{version_uri}: not a version directory of {self.uri} (expected <run>/{ADAPTERS_DIR}/<name>-v<N>)"
+                f"{version_uri}: not a {kind.noun} directory of {self.uri} "
+                f"(expected <run>/{kind.subdir}/{kind.pattern})"
             )
         return rel[0], rel[2]
 
-    def _download(self, src: str, dest: Path, checks: dict[str, Any]) -> Path:
+    def _download(self, src: str, dest: Path, kind: _Kind, precheck: Callable[[Manifest, str], None]) -> Path:
+        name = dest.name
         try:
             text = self._retry(f"read {src}/{MANIFEST_NAME}", self.s3.cat_file, f"{src}/{MANIFEST_NAME}")
         except FileNotFoundError:
-            raise AdapterNotFound(
-                f"{checks['expected_name']}: no {MANIFEST_NAME} at s3://{src} (not published yet?)"
-            ) from None
-        manifest = parse_manifest(text, where=f"{checks['expected_name']}/{MANIFEST_NAME}")
-        check_compatible(manifest, **checks)  # before downloading weights that could not be used anyway
+            raise AdapterNotFound(f"{name}: no {MANIFEST_NAME} at s3://{src} (not published yet?)") from None
+        manifest = parse_manifest(text, where=f"{name}/{MANIFEST_NAME}", kind=kind.manifest_kind)
+        precheck(manifest, name)  # before downloading weights that could not be used anyway
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
             observed: dict[str, tuple[int, str] | None] = {}
-            for name in manifest["files"]:
+            for file in manifest["files"]:
                 try:
-                    data = self._retry(f"download {src}/{name}", self.s3.cat_file, f"{src}/{name}")
+                    data = self._retry(f"download {src}/{file}", self.s3.cat_file, f"{src}/{file}")
                 except FileNotFoundError:
-                    observed[name] = None
+                    observed[file] = None
                     continue
-                _write_synced(tmp / name, data)
-                observed[name] = sha256_of([data])
+                _write_synced(tmp / file, data)
+                observed[file] = sha256_of([data])
             check_files(manifest, observed)
             _write_synced(tmp / MANIFEST_NAME, text)  # last, as in the bucket
             _fsync_dir(tmp)
@@ -388,12 +529,26 @@ class Bucket:
             protected=set(protected),
         )
         for version in doomed:
-            path = self._version_path(run_name, adapter_name, version)
-            if self.is_remote:
-                self._retry(f"delete {path}", self._s3_delete_version, path)
-            else:
-                self._retry(f"delete {path}", _delete_dir_version, Path(path))
+            self._delete(self._version_path(run_name, adapter_name, version))
         return doomed
+
+    def apply_checkpoint_retention(self, run_name: str, *, keep_last: int) -> list[int]:
+        """Delete all but the newest `keep_last` checkpoints (manifest first); returns their steps."""
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError(
+                f"keep_last={keep_last!r} must be an int >= 1: the newest checkpoint is always kept"
+            )
+        doomed = versions_to_delete(self.list_checkpoints(run_name), live_window=keep_last, keep_every=0)
+        for step in doomed:
+            self._delete(self._checkpoint_path(run_name, step))
+        return doomed
+
+    def _delete(self, path: str) -> None:
+        """Remove a published directory, manifest first: it stops existing for readers before any file goes."""
+        if self.is_remote:
+            self._retry(f"delete {path}", self._s3_delete_version, path)
+        else:
+            self._retry(f"delete {path}", _delete_dir_version, Path(path))
 
     def _s3_delete_version(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -413,8 +568,9 @@ def apply_cache_retention(
 ) -> list[int]:
     """The bucket's retention rule applied to a generator's local cache (`cache_dir/<run>/<name>-vN`)."""
     run_dir = Path(cache_dir) / _plain(run_name, "run_name")
+    _plain(adapter_name, "adapter_name")
     doomed = versions_to_delete(
-        _dir_versions(run_dir, _plain(adapter_name, "adapter_name")),
+        _dir_versions(run_dir, lambda name: parse_adapter_dir_name(adapter_name, name)),
         live_window=live_window,
         keep_every=keep_every,
         protected=set(protected),
@@ -441,8 +597,13 @@ def _relparts(relpath: str) -> list[str]:
     return list(parts)
 
 
-def _adapter_files(src_dir: Path, rank: int) -> list[Path]:
-    """The files of a PEFT save_pretrained directory, checked before anything is written."""
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds")
+
+
+def _flat_files(src_dir: Path, required: Iterable[str], what: str) -> list[Path]:
+    """The files of a directory to publish, checked before anything is written: plain files only (no
+    subdirectories), none named manifest.json, every `required` one present."""
     entries = sorted(src_dir.iterdir())
     nested = [p.name for p in entries if not p.is_file()]
     if nested:
@@ -450,12 +611,9 @@ def _adapter_files(src_dir: Path, rank: int) -> list[Path]:
     names = {p.name for p in entries}
     if MANIFEST_NAME in names:
         raise ValueError(f"{src_dir}: contains {MANIFEST_NAME}, a name the bucket protocol reserves")
-    absent = [name for name in REQUIRED_FILES if name not in names]
+    absent = [name for name in required if name not in names]
     if absent:
-        raise ValueError(f"{src_dir}: lacks {', '.join(absent)}; is it a PEFT save_pretrained directory?")
-    peft_rank = json.loads((src_dir / "adapter_config.json").read_text()).get("r")
-    if peft_rank is not None and peft_rank != rank:
-        raise ValueError(f"{src_dir}: adapter_config.json says r={peft_rank}, but rank={rank} was given")
+        raise ValueError(f"{src_dir}: lacks {', '.join(absent)}; is it {what}?")
     return entries
 
 
@@ -505,16 +663,18 @@ def _hash_file(path: Path) -> tuple[int, str]:
         return sha256_of(iter(lambda: f.read(_CHUNK), b""))
 
 
-def _publish_dir(final: Path, files: list[Path], meta: dict[str, Any]) -> None:
+def _publish_dir(
+    final: Path, files: list[Path], manifest: Callable[[Digests], Manifest], never_reused: str
+) -> None:
     parent = final.parent
     parent.mkdir(parents=True, exist_ok=True)
     if final.exists():
-        raise FileExistsError(f"{final} is already published; adapter names are never reused")
+        raise FileExistsError(f"{final} is already published; {never_reused}")
     tmp = parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"  # dot: listings skip it
     tmp.mkdir()
     try:
         digests = {src.name: _copy_hashed(src, tmp / src.name) for src in files}
-        _write_synced(tmp / MANIFEST_NAME, manifest_to_json(build_manifest(files=digests, **meta)).encode())
+        _write_synced(tmp / MANIFEST_NAME, manifest_to_json(manifest(digests)).encode())
         _fsync_dir(tmp)
         os.rename(tmp, final)  # the commit: the whole version appears at once
         _fsync_dir(parent)
@@ -522,43 +682,43 @@ def _publish_dir(final: Path, files: list[Path], meta: dict[str, Any]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after a rename; a leftover after a failure
 
 
-def _dir_versions(directory: Path, adapter_name: str) -> list[int]:
-    """Versions of an adapter under a directory that have a manifest, oldest first."""
+def _dir_versions(directory: Path, parse: Callable[[str], int | None]) -> list[int]:
+    """N of each subdirectory that `parse` maps to N and that has a manifest, sorted."""
     try:
         entries = list(os.scandir(directory))
     except FileNotFoundError:
         return []
     versions = []
     for entry in entries:
-        version = parse_adapter_dir_name(adapter_name, entry.name)
+        version = parse(entry.name)
         if version is not None and os.path.isfile(os.path.join(entry.path, MANIFEST_NAME)):
             versions.append(version)
     return sorted(versions)
 
 
 def _verify_dir(
-    version_dir: Path, *, root: Path | None, expected_name: str, base_fingerprint: str, max_lora_rank: int
+    version_dir: Path, *, root: Path | None, kind: _Kind, precheck: Callable[[Manifest, str], None]
 ) -> Path:
-    """Check a version directory against its manifest; `root`, when given, is where every file must lie."""
+    """Check a published directory against its manifest (`precheck(manifest, name)` first); `root`, when
+    given, is where every file must lie."""
+    name = version_dir.name
     manifest_path = version_dir / MANIFEST_NAME
     try:
         text = manifest_path.read_bytes()
     except (FileNotFoundError, NotADirectoryError):
         raise AdapterNotFound(
-            f"{expected_name}: no {MANIFEST_NAME} in {version_dir} (not published yet, or the mount lags?)"
+            f"{name}: no {MANIFEST_NAME} in {version_dir} (not published yet, or the mount lags?)"
         ) from None
-    manifest = parse_manifest(text, where=f"{expected_name}/{MANIFEST_NAME}")
-    check_compatible(
-        manifest, base_fingerprint=base_fingerprint, max_lora_rank=max_lora_rank, expected_name=expected_name
-    )
+    manifest = parse_manifest(text, where=f"{name}/{MANIFEST_NAME}", kind=kind.manifest_kind)
+    precheck(manifest, name)
     observed: dict[str, tuple[int, str] | None] = {}
-    for name in [MANIFEST_NAME, *manifest["files"]]:
-        path = version_dir / name
+    for file in [MANIFEST_NAME, *manifest["files"]]:
+        path = version_dir / file
         # vLLM follows symlinks, so a file linked out of the bucket would be loaded from elsewhere.
         if root is not None and not path.resolve().is_relative_to(root):
-            raise AdapterRejected(f"{name}: resolves to {path.resolve()}, outside the bucket root {root}")
-        if name != MANIFEST_NAME:
-            observed[name] = _hash_file(path) if path.is_file() else None
+            raise AdapterRejected(f"{file}: resolves to {path.resolve()}, outside the bucket root {root}")
+        if file != MANIFEST_NAME:
+            observed[file] = _hash_file(path) if path.is_file() else None
     check_files(manifest, observed)
     return version_dir.resolve() if root is not None else version_dir
 

@@ -1,8 +1,9 @@
 """Placement, start order and clean shutdown of a run's actors.
 
-Start order: generators (their vLLM servers start in parallel, ~30 s on a CPU) -> proxy -> each
-generator registers with the proxy -> trainer. Shutdown runs in reverse in a `finally`, and each vLLM
-server also has a watchdog that ends it if its actor dies without a shutdown.
+Start order: proxy -> generators (their vLLM servers start in parallel, ~30 s on a CPU; each registers
+itself with the proxy once healthy, and the proxy loads every live adapter version on it before routing
+to it) -> trainer. Shutdown runs in reverse in a `finally`: generators leave the proxy and stop vLLM,
+then the proxy stops. Each vLLM server also has a watchdog that ends it if its actor dies first.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import ray
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.config import RunConfig
-from rl_cluster.generator.actor import ActorReplicaControl, GeneratorActor
+from rl_cluster.generator.actor import GeneratorActor
 from rl_cluster.proxy.actor import ProxyActor
 
 
@@ -63,13 +64,13 @@ class Cluster:
     trainer: object | None = None
 
     async def shutdown(self) -> None:
-        """Stop the proxy (so it does not report replicas going away as failures), then the vLLM servers,
-        then kill the actors. Best effort at each stage: a failure must not leave the rest running."""
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.proxy.stop.remote(), timeout=10)
+        """Generators leave the proxy and stop their vLLM servers, then the proxy stops, then the actors
+        are killed. Best effort at each stage: a failure must not leave the rest running."""
         stops = [g.shutdown.remote() for g in self.generators]
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.gather(*stops, return_exceptions=True), timeout=60)
+            await asyncio.wait_for(asyncio.gather(*stops, return_exceptions=True), timeout=90)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.proxy.stop.remote(), timeout=10)
         for actor in [*self.generators, self.proxy, self.trainer]:
             if actor is not None:
                 with contextlib.suppress(Exception):
@@ -85,11 +86,6 @@ def generator_actor(config: RunConfig, index: int, log_dir: str):
     ).remote(f"g{index}", config, log_dir)
 
 
-async def start_generator(actor, index: int, proxy) -> None:
-    url = await actor.start.remote(index)
-    await proxy.add_replica.remote(f"g{index}", url, ActorReplicaControl(actor))
-
-
 async def launch(config: RunConfig, log_dir: str) -> Cluster:
     """Start the proxy and the generators; return once every generator serves through the proxy."""
     # The proxy refuses adapter paths outside the bucket before any replica sees them.
@@ -100,7 +96,8 @@ async def launch(config: RunConfig, log_dir: str) -> Cluster:
     cluster = Cluster(proxy=proxy, proxy_url=await proxy.start.remote())
     cluster.generators = [generator_actor(config, i, log_dir) for i in range(config.generator.replicas)]
     try:
-        await asyncio.gather(*(start_generator(g, i, proxy) for i, g in enumerate(cluster.generators)))
+        # Each generator registers itself with the proxy once its vLLM server is healthy.
+        await asyncio.gather(*(g.start.remote(i, proxy) for i, g in enumerate(cluster.generators)))
     except BaseException:
         await cluster.shutdown()
         raise

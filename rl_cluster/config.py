@@ -77,6 +77,11 @@ class TrainerConfig(Section):
     """Optimizer steps between adapter publications (weight syncs)."""
     max_steps: int = Field(500, gt=0)
     """Optimizer steps of the run."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Optimizer steps between checkpoints (adapter, optimizer, scheduler and trainer state) published to
+    `<bucket>/<run_name>/checkpoints/step-N/` with a manifest; 0 publishes none."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Newest checkpoints kept in the bucket; older ones are deleted (manifest first)."""
     seed: int = 0
     """Seed for LoRA init, data order and sampling."""
     gradient_checkpointing: bool = False

@@ -1,10 +1,13 @@
-"""Adapter manifests: what a published adapter version claims to be, and the checks a replica makes
-before loading it. Pure logic (no IO beyond hashing bytes handed in), so every rule tests in milliseconds.
+"""Manifests: what a published adapter version or trainer checkpoint claims to be, and the checks a reader
+makes before using it. Pure logic (no IO beyond hashing bytes handed in), so every rule tests in milliseconds.
 
-A version directory `<adapter_name>-v<N>/` holds the PEFT files and `manifest.json`, written last. The
-manifest records each file's size and sha256 plus what the adapter fits (base model, rank), so a reader
-can tell "not published yet" (no manifest: AdapterNotFound, retry) from "not what was published" or
-"does not fit this replica" (AdapterRejected, do not retry), each with a message naming the cause.
+A version directory `<adapter_name>-v<N>/` holds the PEFT files and `manifest.json`, written last; a
+checkpoint directory `step-<N>/` holds what the HF Trainer saved (adapter, optimizer, scheduler, RNG and
+trainer state) and its `manifest.json`, also written last. The manifest records each file's size and sha256
+plus what the files fit (base model; rank for adapters), so a reader can tell "not published yet" (no
+manifest: AdapterNotFound, retry) from "not what was published" or "does not fit" (AdapterRejected, do not
+retry), each with a message naming the cause. Its `kind` says which of the two it describes; manifests
+written before the field existed are adapter manifests.
 """
 
 from __future__ import annotations
@@ -19,8 +22,13 @@ from rl_cluster.errors import AdapterRejected
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
+ADAPTER = "adapter"
+CHECKPOINT = "checkpoint"
 # vLLM reads these two; a version without either cannot load, so the manifest must list both.
 REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors")
+# HF Trainer cannot resume from a checkpoint without its trainer state (global step, log history).
+CHECKPOINT_REQUIRED_FILES = ("trainer_state.json",)
+CHECKPOINT_PREFIX = "step"
 
 # Keys of a Hugging Face config.json that fix the shapes a LoRA adapter is built against. Weights are not
 # fingerprinted (too costly); this catches "adapter trained on another model", the mistake that happens.
@@ -36,20 +44,34 @@ ARCHITECTURE_KEYS = (
 )
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "format": (int,),
-    "name": (str,),
-    "adapter_name": (str,),
-    "version": (int,),
-    "base_model": (str,),
-    "base_model_fingerprint": (str,),
-    "rank": (int,),
-    "alpha": (int, float),
-    "target_modules": (str, list),
-    "trainer_step": (int,),
-    "created_at": (str,),
-    "files": (dict,),
+# The fields each kind of manifest must have, in the order missing ones are named. `kind` itself is
+# optional (absent: an adapter manifest from before the field existed) and checked separately.
+_FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
+    ADAPTER: {
+        "format": (int,),
+        "name": (str,),
+        "adapter_name": (str,),
+        "version": (int,),
+        "base_model": (str,),
+        "base_model_fingerprint": (str,),
+        "rank": (int,),
+        "alpha": (int, float),
+        "target_modules": (str, list),
+        "trainer_step": (int,),
+        "created_at": (str,),
+        "files": (dict,),
+    },
+    CHECKPOINT: {
+        "format": (int,),
+        "name": (str,),
+        "step": (int,),
+        "base_model": (str,),
+        "base_model_fingerprint": (str,),
+        "created_at": (str,),
+        "files": (dict,),
+    },
 }
+_REQUIRED_FILES = {ADAPTER: REQUIRED_FILES, CHECKPOINT: CHECKPOINT_REQUIRED_FILES}
 
 
 def _architecture(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -89,15 +111,19 @@ def adapter_dir_name(prefix: str, version: int) -> str:
     return f"{prefix}-v{version}"
 
 
-def parse_adapter_dir_name(prefix: str, name: str) -> int | None:
-    """The version in `<prefix>-v<N>`, or None for any other name (temporaries, other adapters)."""
-    head = f"{prefix}-v"
+def _number_after(head: str, name: str) -> int | None:
+    """N in `<head><N>` written the one way a writer writes it, or None."""
     digits = name[len(head) :]
     if not name.startswith(head) or not digits.isdigit() or not digits.isascii():
         return None
     if digits != str(int(digits)):  # `policy-v007` is not the name anyone published
         return None
     return int(digits)
+
+
+def parse_adapter_dir_name(prefix: str, name: str) -> int | None:
+    """The version in `<prefix>-v<N>`, or None for any other name (temporaries, other adapters)."""
+    return _number_after(f"{prefix}-v", name)
 
 
 def split_adapter_dir_name(name: str) -> tuple[str, int] | None:
@@ -107,6 +133,18 @@ def split_adapter_dir_name(name: str) -> tuple[str, int] | None:
         return None
     version = parse_adapter_dir_name(prefix, name)
     return None if version is None else (prefix, version)
+
+
+def checkpoint_dir_name(step: int) -> str:
+    """The directory of the checkpoint saved at trainer step N: 50 -> `step-50`."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step={step!r} must be an int >= 0")
+    return f"{CHECKPOINT_PREFIX}-{step}"
+
+
+def parse_checkpoint_dir_name(name: str) -> int | None:
+    """The step in `step-<N>`, or None for any other name (temporaries, `step-007`)."""
+    return _number_after(f"{CHECKPOINT_PREFIX}-", name)
 
 
 def build_manifest(
@@ -125,6 +163,7 @@ def build_manifest(
     """The manifest of one version; `files` maps each file name to its (size, sha256)."""
     manifest = {
         "format": MANIFEST_FORMAT,
+        "kind": ADAPTER,
         "name": adapter_dir_name(adapter_name, version),
         "adapter_name": adapter_name,
         "version": version,
@@ -141,41 +180,79 @@ def build_manifest(
     return manifest
 
 
+def build_checkpoint_manifest(
+    *,
+    step: int,
+    base_model: str,
+    base_fingerprint: str,
+    created_at: str,
+    files: Mapping[str, tuple[int, str]],
+) -> dict[str, Any]:
+    """The manifest of the checkpoint saved at `step`; `files` maps each file name to its (size, sha256)."""
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "kind": CHECKPOINT,
+        "name": checkpoint_dir_name(step),
+        "step": step,
+        "base_model": base_model,
+        "base_model_fingerprint": base_fingerprint,
+        "created_at": created_at,
+        "files": {name: {"size": size, "sha256": sha} for name, (size, sha) in sorted(files.items())},
+    }
+    validate_manifest(manifest, kind=CHECKPOINT)
+    return manifest
+
+
 def manifest_to_json(manifest: Mapping[str, Any]) -> str:
     return json.dumps(manifest, indent=2, sort_keys=True) + "\n"
 
 
-def parse_manifest(text: str | bytes, where: str = MANIFEST_NAME) -> dict[str, Any]:
-    """Parse and validate manifest JSON; `where` names it in error messages."""
+def parse_manifest(text: str | bytes, where: str = MANIFEST_NAME, *, kind: str = ADAPTER) -> dict[str, Any]:
+    """Parse and validate manifest JSON of the given kind; `where` names it in error messages."""
     try:
         manifest = json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
         raise AdapterRejected(f"{where}: not valid JSON ({e})") from e
-    validate_manifest(manifest, where)
+    validate_manifest(manifest, where, kind=kind)
     return manifest
 
 
-def validate_manifest(manifest: Any, where: str = MANIFEST_NAME) -> None:
-    """Raise AdapterRejected unless every field is present with the right type and file names are safe."""
+def validate_manifest(manifest: Any, where: str = MANIFEST_NAME, *, kind: str = ADAPTER) -> None:
+    """Raise AdapterRejected unless the manifest is of `kind`, every field is present with the right type
+    and file names are safe."""
+    if kind not in _FIELD_TYPES:
+        raise ValueError(f"kind={kind!r} is not one of {', '.join(_FIELD_TYPES)}")
     if not isinstance(manifest, dict):
         raise AdapterRejected(f"{where}: expected a JSON object, got {type(manifest).__name__}")
-    missing = [key for key in _FIELD_TYPES if key not in manifest]
+    found = manifest.get("kind", ADAPTER)  # written before `kind` existed: an adapter manifest
+    if found != kind:
+        raise AdapterRejected(f"{where}: kind {found!r}, expected {kind!r}")
+    field_types = _FIELD_TYPES[kind]
+    missing = [key for key in field_types if key not in manifest]
     if missing:
         raise AdapterRejected(f"{where}: missing field(s) {', '.join(missing)}")
-    for key, types in _FIELD_TYPES.items():
+    for key, types in field_types.items():
         value = manifest[key]
         if isinstance(value, bool) or not isinstance(value, types):  # bool is an int to Python, not here
             wanted = " or ".join(t.__name__ for t in types)
             raise AdapterRejected(f"{where}: field {key!r} should be {wanted}, got {value!r}")
     if manifest["format"] != MANIFEST_FORMAT:
         raise AdapterRejected(f"{where}: format {manifest['format']} is not the supported {MANIFEST_FORMAT}")
-    if manifest["version"] < 0 or manifest["rank"] < 1:
-        raise AdapterRejected(f"{where}: version must be >= 0 and rank >= 1")
-    if manifest["name"] != adapter_dir_name(manifest["adapter_name"], manifest["version"]):
-        raise AdapterRejected(
-            f"{where}: name {manifest['name']!r} does not match adapter_name {manifest['adapter_name']!r} "
-            f"and version {manifest['version']}"
-        )
+    if kind == ADAPTER:
+        if manifest["version"] < 0 or manifest["rank"] < 1:
+            raise AdapterRejected(f"{where}: version must be >= 0 and rank >= 1")
+        if manifest["name"] != adapter_dir_name(manifest["adapter_name"], manifest["version"]):
+            raise AdapterRejected(
+                f"{where}: name {manifest['name']!r} does not match adapter_name "
+                f"{manifest['adapter_name']!r} and version {manifest['version']}"
+            )
+    else:
+        if manifest["step"] < 0:
+            raise AdapterRejected(f"{where}: step must be >= 0")
+        if manifest["name"] != checkpoint_dir_name(manifest["step"]):
+            raise AdapterRejected(
+                f"{where}: name {manifest['name']!r} does not match step {manifest['step']}"
+            )
     files = manifest["files"]
     for name, entry in files.items():
         # File names are joined to the version directory by readers: a `../x` entry would read elsewhere.
@@ -186,9 +263,27 @@ def validate_manifest(manifest: Any, where: str = MANIFEST_NAME) -> None:
             raise AdapterRejected(f"{where}: {name}: size {size!r} is not a byte count")
         if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
             raise AdapterRejected(f"{where}: {name}: sha256 {sha!r} is not 64 lowercase hex digits")
-    absent = [name for name in REQUIRED_FILES if name not in files]
+    absent = [name for name in _REQUIRED_FILES[kind] if name not in files]
     if absent:
         raise AdapterRejected(f"{where}: does not list {', '.join(absent)}")
+
+
+def _check_identity(
+    manifest: Mapping[str, Any], *, expected_name: str | None, base_fingerprint: str | None, reader: str
+) -> None:
+    """The manifest names the directory it was read from and (when given) fits the reader's base model."""
+    name = manifest["name"]
+    if expected_name is not None and name != expected_name:
+        what = "checkpoint" if manifest.get("kind") == CHECKPOINT else "version"
+        raise AdapterRejected(
+            f"{expected_name}: manifest describes {name!r} (copied or renamed {what} directory?)"
+        )
+    if base_fingerprint is not None and manifest["base_model_fingerprint"] != base_fingerprint:
+        raise AdapterRejected(
+            f"{name}: trained on base model {manifest['base_model']!r} (fingerprint "
+            f"{manifest['base_model_fingerprint'][:12]}…), but {reader} a model with fingerprint "
+            f"{base_fingerprint[:12]}…"
+        )
 
 
 def check_compatible(
@@ -199,21 +294,23 @@ def check_compatible(
     expected_name: str | None = None,
 ) -> None:
     """The checks that need only the manifest: run them before downloading or hashing any file."""
+    _check_identity(
+        manifest, expected_name=expected_name, base_fingerprint=base_fingerprint, reader="this replica serves"
+    )
     name = manifest["name"]
-    if expected_name is not None and name != expected_name:
-        raise AdapterRejected(
-            f"{expected_name}: manifest describes {name!r} (copied or renamed version directory?)"
-        )
-    if manifest["base_model_fingerprint"] != base_fingerprint:
-        raise AdapterRejected(
-            f"{name}: trained on base model {manifest['base_model']!r} (fingerprint "
-            f"{manifest['base_model_fingerprint'][:12]}…), but this replica serves a model with fingerprint "
-            f"{base_fingerprint[:12]}…"
-        )
     if manifest["rank"] > max_lora_rank:
         raise AdapterRejected(
             f"{name}: rank {manifest['rank']} exceeds this replica's max LoRA rank {max_lora_rank}"
         )
+
+
+def check_checkpoint_compatible(
+    manifest: Mapping[str, Any], *, expected_name: str | None = None, base_fingerprint: str | None = None
+) -> None:
+    """A checkpoint's manifest-only checks: its name, and its base model when the reader gives one."""
+    _check_identity(
+        manifest, expected_name=expected_name, base_fingerprint=base_fingerprint, reader="this trainer uses"
+    )
 
 
 def check_files(manifest: Mapping[str, Any], observed_files: Mapping[str, tuple[int, str] | None]) -> None:

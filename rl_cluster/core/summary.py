@@ -66,6 +66,7 @@ def summarize(trainer_result: dict, proxy_stats: dict, wall_time_s: float) -> di
         "dropped_stale_samples": int(sum(r["dropped_stale"] for r in history)),
         "mean_staleness": _mean([r["staleness"] for r in history]),
         "routing": proxy_stats.get("routing", {}),
+        "checkpoints": trainer_result.get("checkpoints", []),
     }
 
 

@@ -43,11 +43,13 @@ class Generator:
         self.server: VLLMServer | None = None
         self.control: HttpReplicaControl | None = None
         self.base_fingerprint = ""
+        self.proxy = None
         self.loaded: set[str] = set()
         self.last_unloaded: str | None = None
 
-    async def start(self, replica_index: int) -> str:
-        """Start vLLM, wait until healthy, return its URL."""
+    async def start(self, replica_index: int, proxy=None) -> str:
+        """Start vLLM, wait until healthy, register with `proxy` (which loads every live adapter version
+        on it before routing to it), return the server's URL."""
         g, model = self.config.generator, self.config.model
         model_dir = await asyncio.to_thread(resolve_model_path, model.path)
         self.base_fingerprint = base_model_fingerprint(
@@ -75,6 +77,10 @@ class Generator:
         self.server.start()
         await self.server.wait_healthy(g.startup_timeout_s)
         self.control = HttpReplicaControl(self.server.url)
+        if proxy is not None:
+            me = ray.get_runtime_context().current_actor
+            await proxy.add_replica.remote(self.replica_id, self.server.url, ActorReplicaControl(me))
+            self.proxy = proxy
         return self.server.url
 
     async def load_adapter(self, name: str, path: str) -> None:
@@ -115,9 +121,17 @@ class Generator:
             protected=keep,
         )
 
-    def shutdown(self) -> None:
+    async def shutdown(self, drain_timeout_s: float = 30.0) -> None:
+        """Leave the proxy (it stops routing here and waits, bounded, for in-flight requests), then stop
+        vLLM. Leaving first keeps the proxy from seeing a replica fail its health check."""
+        if self.proxy is not None:
+            try:
+                await self.proxy.remove_replica.remote(self.replica_id, drain_timeout_s)
+            except Exception as e:  # a proxy that is gone already has nothing to drain
+                print(f"replica {self.replica_id}: could not leave the proxy: {e}", flush=True)
+            self.proxy = None
         if self.server is not None:
-            self.server.stop()
+            await asyncio.to_thread(self.server.stop)
             self.server = None
 
 

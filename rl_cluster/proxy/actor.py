@@ -45,8 +45,8 @@ class ProxyActor:
     async def add_replica(self, replica_id: str, url: str, control: ReplicaControl | None = None) -> None:
         await self._server.add_replica(replica_id, url, control)
 
-    async def remove_replica(self, replica_id: str) -> None:
-        await self._server.remove_replica(replica_id)
+    async def remove_replica(self, replica_id: str, drain_timeout_s: float = 300.0) -> None:
+        await self._server.remove_replica(replica_id, drain_timeout_s)
 
     async def stats(self) -> dict:
         return self._server.stats()

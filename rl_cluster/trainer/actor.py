@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -47,6 +48,8 @@ class Trainer:
         self.history: list[dict] = []
         self.syncs: list[dict] = []
         self.last_sync: dict = {}
+        self.checkpoints: list[str] = []
+        self._base_fingerprint = ""
         self.trainer = None
         self._check_prompt_ids: list[int] = []
 
@@ -86,6 +89,19 @@ class Trainer:
         self.syncs.append(record)
         self.last_sync = record
 
+    def _publish_checkpoint(self, step: int, local_dir: str) -> None:
+        uri = self.bucket.publish_checkpoint(
+            self.config.run_name,
+            step,
+            local_dir,
+            base_model=self.config.model.path,
+            base_fingerprint=self._base_fingerprint,
+        )
+        shutil.rmtree(local_dir, ignore_errors=True)  # the bucket holds it now
+        self.bucket.apply_checkpoint_retention(self.config.run_name, keep_last=self.config.trainer.keep_checkpoints)
+        self.checkpoints.append(uri)
+        print(f"checkpoint step {step} published to {uri}", flush=True)
+
     # -- training --------------------------------------------------------------------------------------
     def train(self) -> dict:
         from peft import LoraConfig
@@ -93,13 +109,14 @@ class Trainer:
         from trl.experimental.async_grpo import AsyncGRPOConfig
 
         from rl_cluster.trainer.compat import apply_trainer_workarounds, training_precision_kwargs
-        from rl_cluster.trainer.grpo import BucketSyncTrainer, StepReporter
+        from rl_cluster.trainer.grpo import BucketSyncTrainer, CheckpointPublisher, StepReporter
 
         apply_trainer_workarounds()
         c = self.config
         t = c.trainer
         model_dir = resolve_model_path(c.model.path)
         fingerprint = base_model_fingerprint(json.loads((Path(model_dir) / "config.json").read_text()))
+        self._base_fingerprint = fingerprint
         output_dir = tempfile.mkdtemp(prefix=f"rl_cluster-{c.run_name}-")
         args = AsyncGRPOConfig(
             output_dir=output_dir,
@@ -123,7 +140,8 @@ class Trainer:
             token_budget=t.token_budget,
             dtype=c.model.dtype,
             logging_steps=1,
-            save_strategy="no",
+            save_strategy="steps" if t.checkpoint_every else "no",
+            save_steps=t.checkpoint_every or 500,
             report_to="none",
             disable_tqdm=True,
             **training_precision_kwargs(),
@@ -142,7 +160,7 @@ class Trainer:
             args=args,
             train_dataset=dataset,
             peft_config=lora,
-            callbacks=[StepReporter(self._on_step)],
+            callbacks=[StepReporter(self._on_step), CheckpointPublisher(self._publish_checkpoint)],
             run_name=c.run_name,
             bucket=self.bucket,
             proxy=self.proxy,
@@ -162,7 +180,12 @@ class Trainer:
             self.trainer.train()
         finally:
             self._write_metrics()
-        return {"history": self.history, "syncs": self.syncs, "train_wall_s": time.time() - start}
+        return {
+            "history": self.history,
+            "syncs": self.syncs,
+            "checkpoints": self.checkpoints,
+            "train_wall_s": time.time() - start,
+        }
 
 
 TrainerActor = ray.remote(Trainer)

@@ -117,3 +117,15 @@ class StepReporter(TrainerCallback):
         # The closing log of `train()` (runtime totals) repeats the last step: not a step of its own.
         if logs and "train_runtime" not in logs:
             self.report(state.global_step, dict(logs))
+
+
+class CheckpointPublisher(TrainerCallback):
+    """Moves each checkpoint the trainer saves locally into the bucket (files, then manifest)."""
+
+    def __init__(self, publish: Callable[[int, str], None]):
+        self.publish = publish
+
+    def on_save(self, args, state, control, **kwargs):
+        local = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if os.path.isdir(local):
+            self.publish(state.global_step, local)

@@ -74,6 +74,12 @@ def test_shortened_demo(tmp_path):
     first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert first["kl"] is not None and abs(first["kl"]) < 1e-4, first
 
+    # The step-50 checkpoint was published with its manifest (files, then manifest).
+    assert summary["checkpoints"] and summary["checkpoints"][-1].endswith("step-50")
+    checkpoint = run_dir / "checkpoints" / "step-50"
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    assert {"adapter_model.safetensors", "optimizer.pt"} <= set(manifest["files"]), manifest["files"]
+
     # Served = trained.
     assert summary["served_vs_trained_gap"] is not None
     assert summary["served_vs_trained_gap"] <= 1e-3

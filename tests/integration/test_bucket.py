@@ -230,6 +230,14 @@ def test_s3_uris_outside_the_bucket_are_refused(s3_bucket, tmp_path):
     assert cache_entries(tmp_path / "cache") == []
 
 
+def files_in(reading: Bucket, uri: str) -> set[str]:
+    """What a version or checkpoint directory holds right now. Checked the moment it is listed: a fetch
+    reads files in the writer's order at about its speed, which would hide a manifest written early."""
+    if reading.is_remote:
+        return {key.rsplit("/", 1)[1] for key in reading.s3.find(uri.removeprefix("s3://"))}
+    return set(os.listdir(uri))
+
+
 def test_reader_never_sees_a_partial_version(bucket, tmp_path):
     """A reader polling while 200 versions are published only ever gets complete, matching versions."""
     n = 200
@@ -252,7 +260,9 @@ def test_reader_never_sees_a_partial_version(bucket, tmp_path):
                 last_round = writer_done.is_set()
                 latest = seen[-1] if seen else 0
                 listed = [v for v in reading.list_versions(RUN, "policy") if v > latest]
-                if listed:  # listed means complete: it must verify (the newest only, to stay at the front)
+                if listed:  # listed means complete: every file there at once, and it must verify
+                    uri = reading.adapter_uri(RUN, "policy", listed[-1])
+                    assert files_in(reading, uri) >= {*os.listdir(src), "manifest.json"}, listed[-1]
                     read(reading, listed[-1])
                 try:  # the one probably being written right now: complete, or not there at all
                     read(reading, max(listed, default=latest) + 1)
@@ -372,3 +382,218 @@ def test_bucket_survives_pickling(s3_bucket, tmp_path):
     copy = pickle.loads(pickle.dumps(s3_bucket))
     assert copy.list_versions(RUN, "policy") == [1]
     assert copy.s3 is not s3_bucket.s3
+
+
+# -------------------------------------------------------------------- checkpoints
+
+
+def make_checkpoint(directory: Path, step: int, extra: bool = False) -> Path:
+    """A flat HF Trainer checkpoint directory of a PEFT model (contents derived from `step`)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    files = {
+        "adapter_model.safetensors": weights_of(step, 2048),
+        "adapter_config.json": json.dumps({"r": 1, "target_modules": ["q_proj"]}).encode(),
+        "optimizer.pt": weights_of(10_000 + step, 4096),
+        "scheduler.pt": weights_of(20_000 + step, 100),
+        "rng_state.pth": weights_of(30_000 + step, 200),
+        "trainer_state.json": json.dumps({"global_step": step}).encode(),
+        "rollout_state.json": json.dumps({"prompt_index": 4 * step, "model_version": step}).encode(),
+    }
+    if extra:
+        files |= {"training_args.bin": b"args", "README.md": b"# checkpoint\n"}
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+    return directory
+
+
+def publish_checkpoint(bucket: Bucket, step: int, src: Path) -> str:
+    return bucket.publish_checkpoint(RUN, step, src, base_model="tiny", base_fingerprint=FP)
+
+
+def checkpoint_cache(cache: Path) -> list[str]:
+    return sorted(os.listdir(cache / RUN / "checkpoints")) if (cache / RUN / "checkpoints").exists() else []
+
+
+def test_checkpoint_round_trip(bucket, tmp_path):
+    src = make_checkpoint(tmp_path / "checkpoint-5", 5, extra=True)
+    uri = publish_checkpoint(bucket, 5, src)
+    assert uri == bucket.checkpoint_uri(RUN, 5) and uri.endswith(f"{RUN}/checkpoints/step-5")
+    assert bucket.list_checkpoints(RUN) == [5]
+    assert bucket.list_checkpoints("no-such-run") == []
+    assert bucket.list_versions(RUN, "policy") == []  # checkpoints are not adapter versions
+
+    cache = tmp_path / "cache"
+    local = bucket.fetch_checkpoint(uri, cache_dir=cache, base_fingerprint=FP)
+    assert sorted(os.listdir(local)) == sorted([*os.listdir(src), "manifest.json"])
+    for name in os.listdir(src):
+        assert (local / name).read_bytes() == (src / name).read_bytes(), name
+    manifest = json.loads((local / "manifest.json").read_text())
+    assert (manifest["kind"], manifest["name"], manifest["step"]) == ("checkpoint", "step-5", 5)
+    assert manifest["base_model"] == "tiny" and manifest["base_model_fingerprint"] == FP
+    assert (
+        set(manifest["files"]) == set(os.listdir(src)) and manifest["files"]["optimizer.pt"]["size"] == 4096
+    )
+    if bucket.is_remote:
+        assert local == (cache / RUN / "checkpoints" / "step-5").absolute()
+        assert bucket.fetch_checkpoint(uri, cache_dir=cache) == local  # again, from the verified cache
+    else:
+        assert local == Path(uri).resolve()
+        assert not cache.exists()  # verified in place
+        assert os.listdir(Path(uri).parent) == ["step-5"]  # no temporaries left
+
+    with pytest.raises(FileExistsError, match="already published; checkpoints are never overwritten"):
+        publish_checkpoint(bucket, 5, make_checkpoint(tmp_path / "other", 6))
+    assert bucket.fetch_checkpoint(uri, cache_dir=cache) == local  # still the first one
+    assert (local / "optimizer.pt").read_bytes() == weights_of(10_005, 4096)
+
+    other = base_model_fingerprint({**TINY, "hidden_size": 256})
+    with pytest.raises(AdapterRejected, match=r"^step-5: trained on base model 'tiny' .* this trainer uses"):
+        bucket.fetch_checkpoint(uri, cache_dir=tmp_path / "cache2", base_fingerprint=other)
+    # Each kind's reader refuses the other kind's directories.
+    with pytest.raises(
+        AdapterRejected, match=r"not a version directory .*expected <run>/adapters/<name>-v<N>"
+    ):
+        fetch(bucket, uri, cache)
+    adapter = publish(bucket, 1, make_adapter(tmp_path / "adapter"))
+    with pytest.raises(
+        AdapterRejected, match=r"not a checkpoint directory .*expected <run>/checkpoints/step-<N>"
+    ):
+        bucket.fetch_checkpoint(adapter, cache_dir=cache)
+
+
+def test_checkpoint_source_must_be_a_flat_trainer_checkpoint(fs_bucket, tmp_path):
+    src = make_checkpoint(tmp_path / "src", 1)
+    (src / "global_step1").mkdir()
+    with pytest.raises(ValueError, match=r"only plain files can be published, found \['global_step1'\]"):
+        publish_checkpoint(fs_bucket, 1, src)
+    (src / "global_step1").rmdir()
+    (src / "trainer_state.json").unlink()
+    with pytest.raises(ValueError, match="lacks trainer_state.json; is it a HF Trainer checkpoint directory"):
+        publish_checkpoint(fs_bucket, 1, src)
+    with pytest.raises(ValueError, match=r"step=-1 must be an int >= 0"):
+        publish_checkpoint(fs_bucket, -1, make_checkpoint(tmp_path / "ok", 1))
+    assert fs_bucket.list_checkpoints(RUN) == []
+    assert not (Path(fs_bucket.run_uri(RUN)) / "checkpoints").exists() or not os.listdir(
+        Path(fs_bucket.run_uri(RUN)) / "checkpoints"
+    )
+
+
+@pytest.mark.parametrize(
+    "name, data, error, message",
+    [
+        ("optimizer.pt", weights_of(10_005, 4096)[:1000], AdapterRejected,
+         r"^optimizer.pt: size 1000 != manifest 4096 \(truncated or still uploading\?\)$"),
+        ("scheduler.pt", bytes([weights_of(20_005, 100)[0] ^ 1]) + weights_of(20_005, 100)[1:], AdapterRejected,
+         r"^scheduler.pt: sha256 \w+… != manifest \w+… \(corrupted or overwritten\?\)$"),
+        ("rng_state.pth", None, AdapterRejected, r"^rng_state.pth: listed in the manifest but missing$"),
+        ("manifest.json", None, AdapterNotFound, r"^step-5: no manifest.json (in|at) "),
+    ],
+    ids=["truncated", "flipped-byte", "file-missing", "manifest-missing"],
+)  # fmt: skip
+def test_tampered_checkpoint_is_refused_naming_the_file(bucket, tmp_path, name, data, error, message):
+    uri = publish_checkpoint(bucket, 5, make_checkpoint(tmp_path / "src", 5))
+    put(bucket, uri, name, data)
+    with pytest.raises(error, match=message):
+        bucket.fetch_checkpoint(uri, cache_dir=tmp_path / "cache")
+    assert checkpoint_cache(tmp_path / "cache") == []  # nothing, not even a temporary, left in the cache
+    if name == "manifest.json":
+        assert bucket.list_checkpoints(RUN) == []  # without a manifest the checkpoint does not exist
+
+
+def test_checkpoint_paths_outside_the_bucket_are_refused(fs_bucket, tmp_path):
+    uri = Path(publish_checkpoint(fs_bucket, 1, make_checkpoint(tmp_path / "src", 1)))
+    outside = Path(
+        publish_checkpoint(Bucket(str(tmp_path / "elsewhere")), 2, make_checkpoint(tmp_path / "s2", 2))
+    )
+
+    def refused(path, message):
+        with pytest.raises(AdapterRejected, match=message):
+            fs_bucket.fetch_checkpoint(str(path), cache_dir=tmp_path / "cache")
+
+    refused(f"{uri.parent}/../checkpoints/step-1", r"'\.\.' in a checkpoint path is refused")
+    refused(outside, r"resolves to .*elsewhere.*, outside the bucket root")
+    (uri.parent / "step-2").symlink_to(outside, target_is_directory=True)
+    refused(uri.parent / "step-2", r"resolves to .*elsewhere.*, outside the bucket root")
+    (uri.parent / "step-3").symlink_to(uri, target_is_directory=True)  # a renamed step inside the bucket
+    refused(uri.parent / "step-3", r"^step-3: manifest describes 'step-1' \(copied or renamed checkpoint")
+    assert fs_bucket.list_checkpoints(RUN) == [
+        1,
+        2,
+        3,
+    ]  # the links are listed (as for adapters), not fetchable
+    assert fs_bucket.fetch_checkpoint(str(uri), cache_dir=tmp_path / "cache") == uri.resolve()
+
+
+def test_checkpoint_retention_keeps_the_newest(bucket, tmp_path):
+    for step in (10, 20, 30, 40, 50):
+        publish_checkpoint(bucket, step, make_checkpoint(tmp_path / f"checkpoint-{step}", step))
+    publish(bucket, 1, make_adapter(tmp_path / "adapter"))  # adapters are not touched
+    with pytest.raises(ValueError, match="keep_last=0 must be an int >= 1"):
+        bucket.apply_checkpoint_retention(RUN, keep_last=0)
+    assert bucket.apply_checkpoint_retention(RUN, keep_last=2) == [10, 20, 30]
+    assert bucket.list_checkpoints(RUN) == [40, 50]
+    assert bucket.list_versions(RUN, "policy") == [1]
+    for step in (10, 20, 30):  # gone entirely, not only their manifests
+        path = bucket.checkpoint_uri(RUN, step)
+        if bucket.is_remote:
+            assert bucket.s3.find(path.removeprefix("s3://")) == []
+        else:
+            assert not Path(path).exists()
+    assert bucket.apply_checkpoint_retention(RUN, keep_last=2) == []
+    assert bucket.apply_checkpoint_retention(RUN, keep_last=1) == [40]
+    local = bucket.fetch_checkpoint(bucket.checkpoint_uri(RUN, 50), cache_dir=tmp_path / "cache")
+    assert (local / "trainer_state.json").read_text() == '{"global_step": 50}'
+
+
+def test_reader_never_sees_a_partial_checkpoint(bucket, tmp_path):
+    """A reader polling while 30 checkpoints are published only ever gets complete, matching ones."""
+    n = 30
+    writer_done = threading.Event()
+    seen: list[int] = []
+    not_found = 0
+    errors: list[BaseException] = []
+
+    expected_files = {*os.listdir(make_checkpoint(tmp_path / "expected" / "0", 0)), "manifest.json"}
+
+    def read(reading: Bucket, step: int) -> None:
+        local = reading.fetch_checkpoint(reading.checkpoint_uri(RUN, step), cache_dir=tmp_path / "cache")
+        expected = make_checkpoint(tmp_path / "expected" / str(step), step)
+        for name in os.listdir(expected):
+            assert (local / name).read_bytes() == (expected / name).read_bytes(), (step, name)
+        seen.append(step)
+
+    def reader():
+        nonlocal not_found
+        reading = Bucket(bucket.uri, bucket.s3_endpoint_url, **FAST_RETRY)  # its own client, like a trainer
+        try:
+            while True:
+                last_round = writer_done.is_set()
+                latest = seen[-1] if seen else 0
+                listed = [s for s in reading.list_checkpoints(RUN) if s > latest]
+                if listed:  # listed means complete: every file is there at once, and it must verify
+                    assert files_in(reading, reading.checkpoint_uri(RUN, listed[-1])) >= expected_files
+                    read(reading, listed[-1])
+                try:  # the one probably being written right now: complete, or not there at all
+                    read(reading, max(listed, default=latest) + 1)
+                except AdapterNotFound:
+                    not_found += 1
+                if last_round:
+                    return
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    started = time.monotonic()
+    try:
+        for step in range(1, n + 1):
+            publish_checkpoint(bucket, step, make_checkpoint(tmp_path / f"checkpoint-{step}", step))
+    finally:
+        writer_done.set()
+        thread.join(60)
+    print(
+        f"{n} checkpoints in {time.monotonic() - started:.1f}s; reader verified {len(seen)}, not found {not_found}"
+    )
+    assert not errors, errors[0]
+    assert bucket.list_checkpoints(RUN) == list(range(1, n + 1))
+    assert seen[-1] == n and len(seen) >= 5, seen  # the reader really ran alongside the writer

@@ -5,12 +5,18 @@ import json
 import pytest
 
 from rl_cluster.core.manifest import (
+    CHECKPOINT,
     adapter_dir_name,
     base_model_fingerprint,
+    build_checkpoint_manifest,
     build_manifest,
+    check_checkpoint_compatible,
+    check_files,
     check_manifest,
+    checkpoint_dir_name,
     manifest_to_json,
     parse_adapter_dir_name,
+    parse_checkpoint_dir_name,
     parse_manifest,
     sha256_of,
     split_adapter_dir_name,
@@ -188,3 +194,105 @@ def test_retention_edge_cases():
         versions_to_delete([1], live_window=0, keep_every=0)
     with pytest.raises(ValueError, match="keep_every=-1"):
         versions_to_delete([1], live_window=1, keep_every=-1)
+
+
+# -------------------------------------------------------------------- checkpoints
+
+STATE = b'{"global_step": 5}'
+CHECKPOINT_FILES = {
+    **FILES,
+    "optimizer.pt": sha256_of([b"o" * 300]),
+    "trainer_state.json": sha256_of([STATE]),
+}
+
+
+def checkpoint_manifest(**overrides):
+    meta = dict(step=5, base_model="tiny", base_fingerprint=FP, created_at="2026-01-01T00:00:00Z",
+                files=CHECKPOINT_FILES)  # fmt: skip
+    return build_checkpoint_manifest(**{**meta, **overrides})
+
+
+def test_checkpoint_dir_names_round_trip():
+    assert checkpoint_dir_name(50) == "step-50"
+    assert checkpoint_dir_name(0) == "step-0"
+    assert parse_checkpoint_dir_name("step-50") == 50
+    for other in ["step-", "step-050", "step-x", ".step-5.tmp-ab", "checkpoint-5", "step-5.tmp", "step--1"]:
+        assert parse_checkpoint_dir_name(other) is None, other
+    for bad in [-1, True, "5", 5.0]:
+        with pytest.raises(ValueError, match="must be an int >= 0"):
+            checkpoint_dir_name(bad)
+
+
+def test_checkpoint_manifest_round_trips_through_json():
+    m = checkpoint_manifest()
+    assert parse_manifest(manifest_to_json(m), kind=CHECKPOINT) == m
+    assert (m["kind"], m["name"], m["step"]) == ("checkpoint", "step-5", 5)
+    assert sorted(m["files"]) == ["adapter_config.json", "adapter_model.safetensors", "optimizer.pt",
+                                  "trainer_state.json"]  # fmt: skip
+    check_checkpoint_compatible(m, expected_name="step-5", base_fingerprint=FP)
+    check_checkpoint_compatible(m)  # no name, no base model: nothing to compare
+    check_files(m, CHECKPOINT_FILES)
+
+
+def test_kinds_are_not_interchangeable():
+    assert manifest()["kind"] == "adapter"
+    with pytest.raises(
+        AdapterRejected, match=r"^step-5/manifest.json: kind 'checkpoint', expected 'adapter'$"
+    ):
+        parse_manifest(manifest_to_json(checkpoint_manifest()), where="step-5/manifest.json")
+    with pytest.raises(
+        AdapterRejected, match=r"^policy-v3/manifest.json: kind 'adapter', expected 'checkpoint'$"
+    ):
+        parse_manifest(manifest_to_json(manifest()), where="policy-v3/manifest.json", kind=CHECKPOINT)
+    with pytest.raises(ValueError, match="kind='model' is not one of adapter, checkpoint"):
+        parse_manifest(manifest_to_json(manifest()), kind="model")
+
+
+def test_adapter_manifest_written_before_kind_existed_is_still_valid():
+    old = json.loads(manifest_to_json(manifest()))
+    del old["kind"]
+    assert parse_manifest(json.dumps(old)) == old
+    with pytest.raises(AdapterRejected, match="kind 'adapter', expected 'checkpoint'"):
+        parse_manifest(json.dumps(old), kind=CHECKPOINT)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda m: m.pop("step"), r"missing field\(s\) step"),
+        (lambda m: m.update(step="5"), r"field 'step' should be int, got '5'"),
+        (lambda m: m.update(step=-1, name="step--1"), r"step must be >= 0"),
+        (lambda m: m.update(name="step-6"), r"name 'step-6' does not match step 5"),
+        (lambda m: m["files"].pop("trainer_state.json"), r"does not list trainer_state.json"),
+        (
+            lambda m: m["files"].update({"../optimizer.pt": m["files"]["optimizer.pt"]}),
+            r"not a plain file name",
+        ),
+        (
+            lambda m: m["files"]["optimizer.pt"].update(size=1.5),
+            r"optimizer.pt: size 1.5 is not a byte count",
+        ),
+    ],
+)
+def test_invalid_checkpoint_manifest_is_rejected_with_its_reason(edit, message):
+    m = json.loads(manifest_to_json(checkpoint_manifest()))
+    edit(m)
+    with pytest.raises(AdapterRejected, match=message):
+        parse_manifest(json.dumps(m), where="step-5/manifest.json", kind=CHECKPOINT)
+
+
+def test_checkpoint_check_failures_name_their_cause():
+    m = checkpoint_manifest()
+    with pytest.raises(
+        AdapterRejected, match=r"^step-6: manifest describes 'step-5' \(copied or renamed checkpoint"
+    ):
+        check_checkpoint_compatible(m, expected_name="step-6")
+    other = base_model_fingerprint({**TINY, "vocab_size": 99})
+    with pytest.raises(AdapterRejected, match=r"^step-5: trained on base model 'tiny' \(fingerprint \w+…\), but "
+                       r"this trainer uses a model with fingerprint \w+…$"):  # fmt: skip
+        check_checkpoint_compatible(m, base_fingerprint=other)
+    size, sha = CHECKPOINT_FILES["optimizer.pt"]
+    with pytest.raises(AdapterRejected, match=r"^optimizer.pt: size 299 != manifest 300"):
+        check_files(m, {**CHECKPOINT_FILES, "optimizer.pt": (size - 1, sha)})
+    with pytest.raises(AdapterRejected, match="does not list trainer_state.json"):
+        checkpoint_manifest(files=FILES)  # the writer cannot publish what a trainer could not resume from
