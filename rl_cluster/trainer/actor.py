@@ -98,7 +98,9 @@ class Trainer:
             base_fingerprint=self._base_fingerprint,
         )
         shutil.rmtree(local_dir, ignore_errors=True)  # the bucket holds it now
-        self.bucket.apply_checkpoint_retention(self.config.run_name, keep_last=self.config.trainer.keep_checkpoints)
+        self.bucket.apply_checkpoint_retention(
+            self.config.run_name, keep_last=self.config.trainer.keep_checkpoints
+        )
         self.checkpoints.append(uri)
         print(f"checkpoint step {step} published to {uri}", flush=True)
 
