@@ -74,11 +74,11 @@ def test_shortened_demo(tmp_path):
     first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert first["kl"] is not None and abs(first["kl"]) < 1e-4, first
 
-    # The step-50 checkpoint was published with its manifest (files, then manifest).
-    assert summary["checkpoints"] and summary["checkpoints"][-1].endswith("step-50")
-    checkpoint = run_dir / "checkpoints" / "step-50"
-    manifest = json.loads((checkpoint / "manifest.json").read_text())
-    assert {"adapter_model.safetensors", "optimizer.pt"} <= set(manifest["files"]), manifest["files"]
+    # Checkpoints every 50 steps and at the end, each published with its manifest (files, then manifest).
+    assert [Path(uri).name for uri in summary["checkpoints"]] == ["step-50", "step-60"]
+    for step in (50, 60):
+        manifest = json.loads((run_dir / "checkpoints" / f"step-{step}" / "manifest.json").read_text())
+        assert {"adapter_model.safetensors", "optimizer.pt", "trainer_state.json"} <= set(manifest["files"])
 
     # Served = trained.
     assert summary["served_vs_trained_gap"] is not None
