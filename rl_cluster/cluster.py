@@ -58,32 +58,55 @@ def connect(config: RunConfig) -> None:
 
 @dataclass
 class Cluster:
+    config: RunConfig
+    log_dir: str
     proxy: object
     proxy_url: str
-    generators: list = field(default_factory=list)
+    generators: dict[str, object] = field(default_factory=dict)
     trainer: object | None = None
+    _next_index: int = 0
+
+    async def add_generators(self, count: int) -> list[str]:
+        """Grow generation capacity, also during training: each new generator starts its vLLM server and
+        registers with the proxy, which loads every live adapter version on it before routing to it."""
+        new = []
+        for index in range(self._next_index, self._next_index + count):
+            replica_id = f"g{index}"
+            self.generators[replica_id] = generator_actor(self.config, replica_id, self.log_dir)
+            new.append((index, self.generators[replica_id]))
+        self._next_index += count
+        await asyncio.gather(*(actor.start.remote(index, self.proxy) for index, actor in new))
+        return [f"g{index}" for index, _ in new]
+
+    async def remove_generator(self, replica_id: str) -> None:
+        """Shrink: the generator leaves the proxy (no new requests; in-flight ones finish), then stops."""
+        actor = self.generators.pop(replica_id)
+        try:
+            await actor.shutdown.remote()
+        finally:
+            ray.kill(actor)
 
     async def shutdown(self) -> None:
         """Generators leave the proxy and stop their vLLM servers, then the proxy stops, then the actors
         are killed. Best effort at each stage: a failure must not leave the rest running."""
-        stops = [g.shutdown.remote() for g in self.generators]
+        stops = [g.shutdown.remote() for g in self.generators.values()]
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.gather(*stops, return_exceptions=True), timeout=90)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.proxy.stop.remote(), timeout=10)
-        for actor in [*self.generators, self.proxy, self.trainer]:
+        for actor in [*self.generators.values(), self.proxy, self.trainer]:
             if actor is not None:
                 with contextlib.suppress(Exception):
                     ray.kill(actor)
 
 
-def generator_actor(config: RunConfig, index: int, log_dir: str):
+def generator_actor(config: RunConfig, replica_id: str, log_dir: str):
     return GeneratorActor.options(
-        name=f"{config.run_name}-generator-{index}",
+        name=f"{config.run_name}-generator-{replica_id}",
         num_cpus=0,
         num_gpus=config.generator.num_gpus,
         resources={"generator": 1},
-    ).remote(f"g{index}", config, log_dir)
+    ).remote(replica_id, config, log_dir)
 
 
 async def launch(config: RunConfig, log_dir: str) -> Cluster:
@@ -93,11 +116,9 @@ async def launch(config: RunConfig, log_dir: str) -> Cluster:
     proxy = ProxyActor.options(name=f"{config.run_name}-proxy", num_cpus=config.proxy.num_cpus).remote(
         config.proxy, adapter_root=adapter_root
     )
-    cluster = Cluster(proxy=proxy, proxy_url=await proxy.start.remote())
-    cluster.generators = [generator_actor(config, i, log_dir) for i in range(config.generator.replicas)]
+    cluster = Cluster(config=config, log_dir=log_dir, proxy=proxy, proxy_url=await proxy.start.remote())
     try:
-        # Each generator registers itself with the proxy once its vLLM server is healthy.
-        await asyncio.gather(*(g.start.remote(i, proxy) for i, g in enumerate(cluster.generators)))
+        await cluster.add_generators(config.generator.replicas)
     except BaseException:
         await cluster.shutdown()
         raise

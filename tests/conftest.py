@@ -121,3 +121,19 @@ def wait_until_no_vllm_with(marker: str, timeout_s: float = 45) -> set[int]:
     while vllm_pids_with(marker) and time.monotonic() < deadline:
         time.sleep(1)
     return vllm_pids_with(marker)
+
+
+def save_lora(model_dir, out_dir, seed: int):
+    """A rank-1 LoRA on the tiny model whose B matrices are non-zero, so it changes outputs."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    peft = get_peft_model(model, LoraConfig(r=1, lora_alpha=2, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # make the adapter change outputs
+    peft.save_pretrained(out_dir)

@@ -9,29 +9,13 @@ import uuid
 import pytest
 import ray
 import requests
-from conftest import vllm_pids_with, wait_until_no_vllm_with
+from conftest import save_lora, vllm_pids_with, wait_until_no_vllm_with
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.config import load_config
 from rl_cluster.core.manifest import base_model_fingerprint
 from rl_cluster.errors import AdapterRejected
 from rl_cluster.generator.actor import GeneratorActor
-
-
-def save_lora(model_dir, out_dir, seed: int):
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    peft = get_peft_model(model, LoraConfig(r=1, lora_alpha=2, target_modules="all-linear"))
-    with torch.no_grad():
-        for name, p in peft.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)  # make the adapter change outputs
-    peft.save_pretrained(out_dir)
-
 
 MARKER = f"RL_CLUSTER_GENERATOR_TEST={uuid.uuid4().hex}"
 

@@ -1,0 +1,72 @@
+"""Generation capacity grows and shrinks under a live proxy: a generator that joins is caught up (every
+live adapter version loaded) before it takes traffic, and one that leaves drains first. Real Ray actors
+and real vLLM CPU servers."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import aiohttp
+import pytest
+import ray
+from conftest import save_lora, wait_until_no_vllm_with
+
+from rl_cluster.bucket import Bucket
+from rl_cluster.cluster import launch
+from rl_cluster.config import load_config
+from rl_cluster.core.manifest import base_model_fingerprint
+
+MARKER = f"RL_CLUSTER_SCALING_TEST={uuid.uuid4().hex}"
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(address="local", num_cpus=2, resources={"generator": 2}, include_dashboard=False,
+             runtime_env={"env_vars": dict([MARKER.split("=")])})  # fmt: skip
+    yield
+    ray.shutdown()
+
+
+async def test_a_generator_joins_caught_up_and_one_leaves_drained(local_ray, tiny_model_dir, tmp_path):
+    run = "scale-test"
+    config = load_config(
+        None,
+        [
+            f"run_name={run}",
+            f"model.path={tiny_model_dir}",
+            f"bucket.uri={tmp_path / 'bucket'}",
+            "generator.replicas=1",
+        ],
+    )
+    bucket = Bucket(config.bucket.uri)
+    save_lora(tiny_model_dir, tmp_path / "src", seed=1)
+    uri = bucket.publish_adapter(
+        run, run, 1, tmp_path / "src", base_model=str(tiny_model_dir),
+        base_fingerprint=base_model_fingerprint(json.loads((tiny_model_dir / "config.json").read_text())),
+        rank=1, alpha=2, target_modules="all-linear", trainer_step=1,
+    )  # fmt: skip
+    cluster = await launch(config, str(tmp_path / "logs"))
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(
+                f"{cluster.proxy_url}/v1/load_lora_adapter", json={"lora_name": f"{run}-v1", "lora_path": uri}
+            ) as r:
+                assert r.status == 200, await r.text()
+
+            # Grow: the new replica holds v1 before it is active.
+            assert await cluster.add_generators(1) == ["g1"]
+            replicas = (await cluster.proxy.stats.remote())["replicas"]
+            assert replicas["g1"]["state"] == "active"
+            assert f"{run}-v1" in replicas["g1"]["adapters_loaded"]
+
+            # Shrink: the original leaves; v1 keeps being served, by the newcomer.
+            await cluster.remove_generator("g0")
+            assert set((await cluster.proxy.stats.remote())["replicas"]) == {"g1"}
+            request = {"model": f"{run}-v1", "prompt": "1+2=", "max_tokens": 4}
+            async with http.post(f"{cluster.proxy_url}/v1/completions", json=request) as r:
+                assert r.status == 200, await r.text()
+                assert r.headers["X-Proxy-Replica"] == "g1"
+    finally:
+        await cluster.shutdown()
+    assert not wait_until_no_vllm_with(MARKER)
