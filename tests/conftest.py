@@ -137,3 +137,33 @@ def save_lora(model_dir, out_dir, seed: int):
             if "lora_B" in name:
                 p.normal_(0, 0.5)  # make the adapter change outputs
     peft.save_pretrained(out_dir)
+
+
+@pytest.fixture(scope="module")
+def marked_ray():
+    """A private local Ray cluster for one test module (two `generator` slots), whose processes carry a
+    marker in their environment, so the module can tell its vLLM servers from anyone else's."""
+    import uuid
+
+    import ray
+
+    marker = f"RL_CLUSTER_TEST={uuid.uuid4().hex}"
+    ray.init(address="local", num_cpus=2, resources={"generator": 2}, include_dashboard=False,
+             runtime_env={"env_vars": dict([marker.split("=")])})  # fmt: skip
+    yield marker
+    ray.shutdown()
+
+
+def publish_lora(bucket, run: str, version: int, model_dir: Path, work_dir: Path) -> str:
+    """Publish a fresh random LoRA on the tiny model as `<run>-v<version>`; returns its URI."""
+    import json
+
+    from rl_cluster.core.manifest import base_model_fingerprint
+
+    src = work_dir / f"lora-src-{version}"
+    save_lora(model_dir, src, seed=version)
+    return bucket.publish_adapter(
+        run, run, version, src, base_model=str(model_dir),
+        base_fingerprint=base_model_fingerprint(json.loads((model_dir / "config.json").read_text())),
+        rank=1, alpha=2, target_modules="all-linear", trainer_step=version,
+    )  # fmt: skip

@@ -3,33 +3,18 @@ was published, keeps serving the previous version, and its vLLM process tree die
 
 from __future__ import annotations
 
-import json
-import uuid
-
 import pytest
 import ray
 import requests
-from conftest import save_lora, vllm_pids_with, wait_until_no_vllm_with
+from conftest import publish_lora, vllm_pids_with, wait_until_no_vllm_with
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.config import load_config
-from rl_cluster.core.manifest import base_model_fingerprint
 from rl_cluster.errors import AdapterRejected
 from rl_cluster.generator.actor import GeneratorActor
 
-MARKER = f"RL_CLUSTER_GENERATOR_TEST={uuid.uuid4().hex}"
 
-
-@pytest.fixture(scope="module")
-def local_ray():
-    # The marker reaches the actor's vLLM server through the environment: this test's processes only.
-    ray.init(address="local", num_cpus=2, resources={"generator": 1}, include_dashboard=False,
-             runtime_env={"env_vars": dict([MARKER.split("=")])})  # fmt: skip
-    yield
-    ray.shutdown()
-
-
-async def test_generator_verifies_loads_and_dies_cleanly(local_ray, tiny_model_dir, tmp_path):
+async def test_generator_verifies_loads_and_dies_cleanly(marked_ray, tiny_model_dir, tmp_path):
     run = "gen-test"
     config = load_config(
         None,
@@ -41,17 +26,10 @@ async def test_generator_verifies_loads_and_dies_cleanly(local_ray, tiny_model_d
         ],
     )
     bucket = Bucket(config.bucket.uri)
-    fingerprint = base_model_fingerprint(json.loads((tiny_model_dir / "config.json").read_text()))
-    uris = {}
-    for version in (1, 2):
-        save_lora(tiny_model_dir, tmp_path / f"src{version}", seed=version)
-        uris[version] = bucket.publish_adapter(
-            run, run, version, tmp_path / f"src{version}", base_model=str(tiny_model_dir),
-            base_fingerprint=fingerprint, rank=1, alpha=2, target_modules="all-linear", trainer_step=version,
-        )  # fmt: skip
+    uris = {version: publish_lora(bucket, run, version, tiny_model_dir, tmp_path) for version in (1, 2)}
     actor = GeneratorActor.options(num_cpus=0, resources={"generator": 1}).remote("g0", config, str(tmp_path))
     url = await actor.start.remote(0)
-    assert vllm_pids_with(MARKER), "the actor's vLLM server should be running"
+    assert vllm_pids_with(marked_ray), "the actor's vLLM server should be running"
 
     await actor.load_adapter.remote(f"{run}-v1", uris[1])
     prompt = {"model": f"{run}-v1", "prompt": "1+2=", "max_tokens": 4, "temperature": 0}
@@ -70,4 +48,4 @@ async def test_generator_verifies_loads_and_dies_cleanly(local_ray, tiny_model_d
 
     # Killed without a shutdown call (as `ray.kill` or a dead node would): the watchdog ends vLLM.
     ray.kill(actor)
-    assert not wait_until_no_vllm_with(MARKER), "vLLM outlived its actor"
+    assert not wait_until_no_vllm_with(marked_ray), "vLLM outlived its actor"

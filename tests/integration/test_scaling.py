@@ -4,31 +4,15 @@ and real vLLM CPU servers."""
 
 from __future__ import annotations
 
-import json
-import uuid
-
 import aiohttp
-import pytest
-import ray
-from conftest import save_lora, wait_until_no_vllm_with
+from conftest import publish_lora, wait_until_no_vllm_with
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.cluster import launch
 from rl_cluster.config import load_config
-from rl_cluster.core.manifest import base_model_fingerprint
-
-MARKER = f"RL_CLUSTER_SCALING_TEST={uuid.uuid4().hex}"
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, resources={"generator": 2}, include_dashboard=False,
-             runtime_env={"env_vars": dict([MARKER.split("=")])})  # fmt: skip
-    yield
-    ray.shutdown()
-
-
-async def test_a_generator_joins_caught_up_and_one_leaves_drained(local_ray, tiny_model_dir, tmp_path):
+async def test_a_generator_joins_caught_up_and_one_leaves_drained(marked_ray, tiny_model_dir, tmp_path):
     run = "scale-test"
     config = load_config(
         None,
@@ -39,13 +23,7 @@ async def test_a_generator_joins_caught_up_and_one_leaves_drained(local_ray, tin
             "generator.replicas=1",
         ],
     )
-    bucket = Bucket(config.bucket.uri)
-    save_lora(tiny_model_dir, tmp_path / "src", seed=1)
-    uri = bucket.publish_adapter(
-        run, run, 1, tmp_path / "src", base_model=str(tiny_model_dir),
-        base_fingerprint=base_model_fingerprint(json.loads((tiny_model_dir / "config.json").read_text())),
-        rank=1, alpha=2, target_modules="all-linear", trainer_step=1,
-    )  # fmt: skip
+    uri = publish_lora(Bucket(config.bucket.uri), run, 1, tiny_model_dir, tmp_path)
     cluster = await launch(config, str(tmp_path / "logs"))
     try:
         async with aiohttp.ClientSession() as http:
@@ -69,4 +47,4 @@ async def test_a_generator_joins_caught_up_and_one_leaves_drained(local_ray, tin
                 assert r.headers["X-Proxy-Replica"] == "g1"
     finally:
         await cluster.shutdown()
-    assert not wait_until_no_vllm_with(MARKER)
+    assert not wait_until_no_vllm_with(marked_ray)
