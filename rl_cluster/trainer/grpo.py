@@ -24,7 +24,7 @@ from transformers import TrainerCallback
 from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer, save_lora_adapter
 
 from rl_cluster.bucket import Bucket
-from rl_cluster.core.manifest import adapter_dir_name
+from rl_cluster.core.manifest import adapter_dir_name, split_adapter_dir_name
 from rl_cluster.trainer.compat import bound_score_queue, name_run_adapters
 from rl_cluster.trainer.proxy_client import ProxyClient
 
@@ -89,8 +89,13 @@ class BucketSyncTrainer(AsyncGRPOTrainer):
         stale = version - (self.args.max_staleness + 1)
         if stale > 0:
             self.proxy.unload_adapter(adapter_dir_name(self._lora_name, stale))
-        # Files outlive their unload by one sync, since vLLM re-reads evicted adapters from disk.
+        # Never delete what a replica still holds (a long request keeps an unloaded version loaded), and
+        # keep files one sync past their unload: vLLM re-reads evicted adapters from disk.
         protected = set(range(max(stale - 1, 1), version + 1))
+        for held in self.proxy.loaded_adapters():
+            parsed = split_adapter_dir_name(held)
+            if parsed and parsed[0] == self._lora_name:
+                protected.add(parsed[1])
         self.bucket.apply_retention(
             self.run_name,
             self._lora_name,

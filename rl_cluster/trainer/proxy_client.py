@@ -37,7 +37,15 @@ class ProxyClient:
         """Closes `name` to new requests; replicas unload it once its in-flight requests finish."""
         self._post("/v1/unload_lora_adapter", {"lora_name": name})
 
-    def active_replica_urls(self) -> list[str]:
+    def replicas(self) -> dict[str, dict]:
+        """Per replica: url, state, requests, in_flight, adapters_loaded, ... (the proxy's /replicas)."""
         response = requests.get(f"{self.url}/replicas", headers=self.headers, timeout=30)
         response.raise_for_status()
-        return [r["url"] for r in response.json()["replicas"].values() if r["state"] == "active"]
+        return response.json()["replicas"]
+
+    def active_replica_urls(self) -> list[str]:
+        return [r["url"] for r in self.replicas().values() if r["state"] == "active"]
+
+    def loaded_adapters(self) -> set[str]:
+        """Adapter names some replica still holds (an unloaded name stays until its last request ends)."""
+        return {name for r in self.replicas().values() for name in r["adapters_loaded"]}
