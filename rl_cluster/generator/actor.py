@@ -107,11 +107,8 @@ class Generator:
         """Drop cached copies outside the live window, except versions vLLM holds or dropped one sync ago
         (vLLM re-reads an evicted adapter from its path)."""
         prefix, _ = split_adapter_dir_name(newest)
-        keep = {
-            split_adapter_dir_name(n)[1]
-            for n in (*self.loaded, self.last_unloaded)
-            if n and n.startswith(prefix)
-        }
+        held = [split_adapter_dir_name(n) for n in (*self.loaded, self.last_unloaded) if n]
+        keep = {version for name, version in filter(None, held) if name == prefix}
         apply_cache_retention(
             Path(self.config.bucket.cache_dir) / self.replica_id,
             self.config.run_name,
