@@ -103,7 +103,8 @@ def moto_s3(bucket: str):
 def vllm_pids_with(marker: str) -> set[int]:
     """vLLM server processes whose environment carries `marker` (a NAME=value a test put into the
     environment of what it started): ours, not those of other users of this machine."""
-    out = subprocess.run(["pgrep", "-f", "vllm.entrypoints"], capture_output=True, text=True).stdout
+    # The API server, and its engine core and workers (vLLM renames those `VLLM::EngineCore` etc.).
+    out = subprocess.run(["pgrep", "-f", "vllm.entrypoints|VLLM::"], capture_output=True, text=True).stdout
     pids = set()
     for pid in map(int, out.split()):
         try:

@@ -96,13 +96,17 @@ class VLLMServer:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # own process group: one killpg reaches the whole tree
             )
-        subprocess.Popen(
-            [sys.executable, "-m", "rl_cluster.generator.watchdog", str(os.getpid()), str(self.process.pid)],
+        # `setsid --fork`: the watchdog runs in its own session AND is not our child (the intermediate
+        # process exits at once). Ray kills a dead worker's child processes, whatever their session; a
+        # watchdog that is our child dies with us and the vLLM engine core is left running.
+        subprocess.run(
+            ["setsid", "--fork", sys.executable, "-m", "rl_cluster.generator.watchdog",
+             str(os.getpid()), str(self.process.pid)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            start_new_session=True,  # survives the owner's process group being killed
-        )
+            check=True,
+        )  # fmt: skip
 
     def log_tail(self, lines: int = 30) -> str:
         try:

@@ -1,8 +1,8 @@
-"""Detached watchdog: `python -m rl_cluster.generator.watchdog OWNER_PID PGID`.
+"""Detached watchdog: `python -m rl_cluster.generator.watchdog OWNER_PID PGID` (started via `setsid --fork`).
 
 Ends process group PGID (a vLLM server tree) once process OWNER_PID (the generator actor, or whoever
-started the server) is gone, then exits. It runs in its own session so that killing the owner's
-process group (what Ray does to a dead worker) does not kill it too. It imports nothing heavy so it
+started the server) is gone, then exits. It runs in its own session and is not the owner's child, so
+neither killing the owner's process group nor Ray's killing of a dead worker's children reaches it. It imports nothing heavy so it
 costs a few MB.
 """
 
