@@ -168,3 +168,11 @@ def publish_lora(bucket, run: str, version: int, model_dir: Path, work_dir: Path
         base_fingerprint=base_model_fingerprint(json.loads((model_dir / "config.json").read_text())),
         rank=1, alpha=2, target_modules="all-linear", trainer_step=version,
     )  # fmt: skip
+
+
+def tiny_run_config(run: str, model_dir: Path, tmp_path: Path):
+    """A run config on the tiny model with a bucket directory under `tmp_path` and one generator."""
+    from rl_cluster.config import load_config
+
+    overrides = [f"run_name={run}", f"model.path={model_dir}", f"bucket.uri={tmp_path / 'bucket'}"]
+    return load_config(None, [*overrides, "generator.replicas=1"])

@@ -6,25 +6,16 @@ from __future__ import annotations
 import pytest
 import ray
 import requests
-from conftest import publish_lora, vllm_pids_with, wait_until_no_vllm_with
+from conftest import publish_lora, tiny_run_config, vllm_pids_with, wait_until_no_vllm_with
 
 from rl_cluster.bucket import Bucket
-from rl_cluster.config import load_config
 from rl_cluster.errors import AdapterRejected
 from rl_cluster.generator.actor import GeneratorActor
 
 
 async def test_generator_verifies_loads_and_dies_cleanly(marked_ray, tiny_model_dir, tmp_path):
     run = "gen-test"
-    config = load_config(
-        None,
-        [
-            f"run_name={run}",
-            f"model.path={tiny_model_dir}",
-            f"bucket.uri={tmp_path / 'bucket'}",
-            "generator.replicas=1",
-        ],
-    )
+    config = tiny_run_config(run, tiny_model_dir, tmp_path)
     bucket = Bucket(config.bucket.uri)
     uris = {version: publish_lora(bucket, run, version, tiny_model_dir, tmp_path) for version in (1, 2)}
     actor = GeneratorActor.options(num_cpus=0, resources={"generator": 1}).remote("g0", config, str(tmp_path))

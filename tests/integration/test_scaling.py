@@ -5,24 +5,15 @@ and real vLLM CPU servers."""
 from __future__ import annotations
 
 import aiohttp
-from conftest import publish_lora, wait_until_no_vllm_with
+from conftest import publish_lora, tiny_run_config, wait_until_no_vllm_with
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.cluster import launch
-from rl_cluster.config import load_config
 
 
 async def test_a_generator_joins_caught_up_and_one_leaves_drained(marked_ray, tiny_model_dir, tmp_path):
     run = "scale-test"
-    config = load_config(
-        None,
-        [
-            f"run_name={run}",
-            f"model.path={tiny_model_dir}",
-            f"bucket.uri={tmp_path / 'bucket'}",
-            "generator.replicas=1",
-        ],
-    )
+    config = tiny_run_config(run, tiny_model_dir, tmp_path)
     uri = publish_lora(Bucket(config.bucket.uri), run, 1, tiny_model_dir, tmp_path)
     cluster = await launch(config, str(tmp_path / "logs"))
     try:
