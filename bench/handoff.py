@@ -11,23 +11,20 @@ also timed on its own.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import aiohttp
 
-from bench.common import HTTP_TIMEOUT, free_port, median, quantile
+from bench.common import HTTP_TIMEOUT, S3_ENV, median, moto_s3, quantile
 from rl_cluster.bucket import Bucket
 from rl_cluster.config import ProxyConfig
-from rl_cluster.core.manifest import base_model_fingerprint
-from rl_cluster.generator.server import terminate_group
-from rl_cluster.proxy.server import HttpReplicaControl, ProxyServer
+from rl_cluster.models import model_fingerprint
+from rl_cluster.proxy.adapter_loader import HttpAdapterLoader
+from rl_cluster.proxy.server import ProxyServer
 
 S3_BUCKET = "bench-handoff"
 MAX_LORA_RANK = 8  # ServerSpec's default --max-lora-rank
@@ -38,7 +35,7 @@ class VerifyingControl:
 
     def __init__(self, bucket: Bucket, url: str, cache_dir: Path, fingerprint: str):
         self.bucket, self.cache_dir, self.fingerprint = bucket, cache_dir, fingerprint
-        self.http = HttpReplicaControl(url)
+        self.http = HttpAdapterLoader(url)
 
     async def load_adapter(self, name: str, path: str) -> None:
         local = await asyncio.to_thread(
@@ -65,39 +62,6 @@ def make_adapter(model_dir: Path, out: Path) -> Path:
     model = get_peft_model(model, LoraConfig(r=1, lora_alpha=2, target_modules="all-linear"))
     model.save_pretrained(out)
     return out
-
-
-@contextlib.contextmanager
-def moto_s3(log_dir: Path):
-    """moto's S3 server on a loopback port with one bucket; yields the endpoint; always stopped."""
-    import boto3
-
-    for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing")):
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    with open(log_dir / "moto.log", "ab") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-p", str(port), "-H", "127.0.0.1"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-    try:
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                client.create_bucket(Bucket=S3_BUCKET)  # no location constraint: moto refuses one
-                break
-            except Exception:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise
-                time.sleep(0.2)
-        yield endpoint
-    finally:
-        terminate_group(process.pid, grace_s=5)
-        process.wait()
 
 
 async def post(session: aiohttp.ClientSession, url: str, payload: dict) -> None:
@@ -152,7 +116,7 @@ async def through_proxy(bucket: Bucket, servers, adapter: Path, fingerprint: str
 
 async def direct(server_url: str, adapter: Path, versions: int) -> list[float]:
     """The same adapter loaded straight into one vLLM server under new names: vLLM's own cost."""
-    control = HttpReplicaControl(server_url)
+    control = HttpAdapterLoader(server_url)
     seconds = []
     for version in range(versions + 1):  # version 0: warm-up, not reported
         name = f"direct-{uuid.uuid4().hex[:6]}-v{version}"
@@ -206,7 +170,7 @@ def tiny_bytes(model_dir: Path, adapter: Path) -> dict:
 async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
     work = log_dir / "handoff"
     adapter = await asyncio.to_thread(make_adapter, model_dir, work / "adapter")
-    fingerprint = base_model_fingerprint(json.loads((model_dir / "config.json").read_text()))
+    fingerprint = model_fingerprint(model_dir)
     versions = plan.handoff_versions
     results = {
         "direct vLLM load (one server, no bucket, no proxy)": {
@@ -217,7 +181,9 @@ async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
     results["directory bucket, proxy, 2 replicas"] = _columns(
         await through_proxy(directory, servers, adapter, fingerprint, versions, work / "dir")
     )
-    with moto_s3(log_dir) as endpoint:
+    for key, value in S3_ENV.items():  # for s3fs, in this process
+        os.environ.setdefault(key, value)
+    with moto_s3(S3_BUCKET, log_dir / "moto.log") as endpoint:
         s3 = Bucket(f"s3://{S3_BUCKET}/runs", endpoint)
         results["s3 bucket (moto, loopback), proxy, 2 replicas"] = _columns(
             await through_proxy(s3, servers, adapter, fingerprint, versions, work / "s3")

@@ -1,4 +1,17 @@
-"""Placement, start order and clean shutdown of a run's actors.
+"""Placement, addressing, start order and clean shutdown of a run's actors.
+
+Placement: the trainer on a node with the custom resource `trainer`, one generator per `generator`
+resource, and the proxy on a node with a `proxy` resource when the cluster has one, else on the driver's
+node (pinned there, so its address is known and stable for the run).
+
+Addressing: every server an actor starts binds, and advertises, its own node's address
+(`ray.util.get_node_ip_address()`), because on a cluster the trainer and the generators are on other
+nodes; loopback only when the driver started a private local Ray itself (nothing else can join it).
+URLs travel through Ray (actor return values), never through config files.
+
+Secrets: a run has a replica key, which every vLLM server demands on every route but /health and only
+the proxy and the trainer's served-vs-trained check hold, and a proxy token for the proxy's control
+routes (the configured one, else a fresh one). Neither appears in a log, a config dump or the summary.
 
 Start order: proxy -> generators (their vLLM servers start in parallel, ~30 s on a CPU; each registers
 itself with the proxy once healthy, and the proxy loads every live adapter version on it before routing
@@ -11,41 +24,69 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import tempfile
 from dataclasses import dataclass, field
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.config import RunConfig
 from rl_cluster.generator.actor import GeneratorActor
+from rl_cluster.models import hf_environment
 from rl_cluster.proxy.actor import ProxyActor
 
 
-def connect(config: RunConfig) -> None:
-    """Join the configured or running Ray cluster; else start a local one that declares the trainer and
-    generator resources itself (a laptop has no node types)."""
-    if ray.is_initialized():
-        return
-    env = {
+@dataclass(frozen=True)
+class RunSecrets:
+    """The run's two secrets (repr hides them: dataclasses print their fields in tracebacks and logs)."""
+
+    replica_key: str | None = field(default=None, repr=False)
+    proxy_token: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def for_run(cls, config: RunConfig, generate_token: bool = True) -> RunSecrets:
+        """A fresh replica key; the configured proxy token, else a fresh one when `generate_token` (a
+        proxy serving only loopback may leave its control routes open to this machine)."""
+        configured = config.proxy.auth_token
+        token = configured.get_secret_value() if configured else None
+        if token is None and generate_token:
+            token = secrets.token_urlsafe(32)
+        return cls(replica_key=secrets.token_urlsafe(32), proxy_token=token)
+
+
+def runtime_env() -> dict:
+    return {
         "env_vars": {
             # TRL 1.16 warns on every import that it was tested with vLLM <= 0.31 (we run 0.32, verified),
             # and that its async trainer is experimental: once per process, in every actor's log.
             "TRL_EXPERIMENTAL_SILENCE": "1",
             "PYTHONWARNINGS": "ignore:TRL currently supports vLLM versions",
             "TOKENIZERS_PARALLELISM": "false",
+            # Every node resolves a hub model the way the driver's environment says (cache, offline, token).
+            **hf_environment(),
         }
     }
+
+
+def connect(config: RunConfig) -> bool:
+    """Join the configured or running Ray cluster; else start a private local one that declares the
+    trainer and generator resources itself (a laptop has no node types). True when it started one:
+    then, and only then, servers may bind loopback."""
+    if ray.is_initialized():
+        return False
+    env = runtime_env()
     address = config.cluster.address or os.environ.get("RAY_ADDRESS")
     if address and address != "local":
         ray.init(address=address, runtime_env=env)
-        return
+        return False
     # Join a cluster started with `ray start` on this machine, but never scan for other users' Ray
     # processes (what address="auto" does when the address file is missing).
     if address is None and os.path.exists(os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster")):
         try:
             ray.init(address="auto", runtime_env=env)
-            return
+            return False
         except ConnectionError:
             pass
     ray.init(
@@ -54,6 +95,20 @@ def connect(config: RunConfig) -> None:
         resources={"trainer": 1, "generator": config.generator.replicas},
         runtime_env=env,
     )
+    return True
+
+
+def node_placement() -> dict:
+    """Where the calling process runs: its node's address and id (for summary.json's `placement`)."""
+    return {"address": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id()}
+
+
+def proxy_options(config: RunConfig) -> dict:
+    """A node with the `proxy` resource if the cluster has one, else the driver's own node."""
+    if any(node["Alive"] and node["Resources"].get("proxy") for node in ray.nodes()):
+        return {"resources": {"proxy": 1}}
+    here = ray.get_runtime_context().get_node_id()
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=here, soft=False)}
 
 
 @dataclass
@@ -62,7 +117,10 @@ class Cluster:
     log_dir: str
     proxy: object
     proxy_url: str
+    secrets: RunSecrets = field(default_factory=RunSecrets)
+    loopback: bool = True
     generators: dict[str, object] = field(default_factory=dict)
+    placement: dict[str, dict] = field(default_factory=dict)
     trainer: object | None = None
     _next_index: int = 0
 
@@ -72,11 +130,13 @@ class Cluster:
         new = []
         for index in range(self._next_index, self._next_index + count):
             replica_id = f"g{index}"
-            self.generators[replica_id] = generator_actor(self.config, replica_id, self.log_dir)
-            new.append((index, self.generators[replica_id]))
+            self.generators[replica_id] = generator_actor(self, replica_id)
+            new.append((replica_id, index, self.generators[replica_id]))
         self._next_index += count
-        await asyncio.gather(*(actor.start.remote(index, self.proxy) for index, actor in new))
-        return [f"g{index}" for index, _ in new]
+        await asyncio.gather(*(actor.start.remote(index, self.proxy) for _, index, actor in new))
+        for replica_id, _, actor in new:
+            self.placement[f"generator {replica_id}"] = await actor.placement.remote()
+        return [replica_id for replica_id, _, _ in new]
 
     async def remove_generator(self, replica_id: str) -> None:
         """Shrink: the generator leaves the proxy (no new requests; in-flight ones finish), then stops."""
@@ -100,23 +160,44 @@ class Cluster:
                     ray.kill(actor)
 
 
-def generator_actor(config: RunConfig, replica_id: str, log_dir: str):
+def generator_actor(cluster: Cluster, replica_id: str):
+    config = cluster.config
     return GeneratorActor.options(
         name=f"{config.run_name}-generator-{replica_id}",
         num_cpus=0,
         num_gpus=config.generator.num_gpus,
         resources={"generator": 1},
-    ).remote(replica_id, config, log_dir)
+    ).remote(
+        replica_id, config, cluster.log_dir, api_key=cluster.secrets.replica_key, loopback=cluster.loopback
+    )
 
 
-async def launch(config: RunConfig, log_dir: str) -> Cluster:
-    """Start the proxy and the generators; return once every generator serves through the proxy."""
+async def launch(
+    config: RunConfig, log_dir: str, secrets: RunSecrets | None = None, loopback: bool = True
+) -> Cluster:
+    """Start the proxy and the generators; return once every generator serves through the proxy.
+    `secrets` None starts replicas without a key and a proxy without a token (loopback-only tests)."""
+    secrets = secrets or RunSecrets()
     # The proxy refuses adapter paths outside the bucket before any replica sees them.
     adapter_root = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url).uri
-    proxy = ProxyActor.options(name=f"{config.run_name}-proxy", num_cpus=config.proxy.num_cpus).remote(
-        config.proxy, adapter_root=adapter_root
+    proxy = ProxyActor.options(
+        name=f"{config.run_name}-proxy", num_cpus=config.proxy.num_cpus, **proxy_options(config)
+    ).remote(
+        config.proxy,
+        adapter_root=adapter_root,
+        replica_key=secrets.replica_key,
+        auth_token=secrets.proxy_token,
+        loopback=loopback,
     )
-    cluster = Cluster(config=config, log_dir=log_dir, proxy=proxy, proxy_url=await proxy.start.remote())
+    cluster = Cluster(
+        config=config,
+        log_dir=log_dir,
+        proxy=proxy,
+        proxy_url=await proxy.start.remote(),
+        secrets=secrets,
+        loopback=loopback,
+    )
+    cluster.placement["proxy"] = await proxy.placement.remote()
     try:
         await cluster.add_generators(config.generator.replicas)
     except BaseException:

@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 
 class Section(BaseModel):
@@ -22,8 +22,12 @@ class Section(BaseModel):
 
 class ModelConfig(Section):
     path: str = "tiny"
-    """Base model: a Hugging Face model id or a local directory. `tiny` builds the locally made tiny
-    Qwen2-architecture model (rl_cluster.tiny) on first use, so a run needs no model hub."""
+    """Base model: a Hugging Face hub id (resolved on every node through the Hugging Face cache, honouring
+    HF_HOME, HF_HUB_OFFLINE and HF_TOKEN), a local directory every node has, or `tiny`: the locally made
+    tiny Qwen2-architecture model (rl_cluster.tiny), built on first use, so a run needs no model hub."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of a hub-id `path`; None is `main`. Pin a commit on a cluster,
+    so every node serves the same weights."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Precision of the trainer's weights and the vLLM servers (both use the same one so logprobs agree)."""
     max_model_len: int = Field(256, gt=0)
@@ -120,12 +124,14 @@ class GeneratorConfig(Section):
 
 
 class ProxyConfig(Section):
-    host: str = "127.0.0.1"
-    """Address the proxy binds. A non-loopback address requires `auth_token`."""
+    host: str | None = None
+    """Address the proxy binds. None: loopback when the driver started a private local Ray, else the
+    address of the proxy's node (the trainer and operators reach it from other nodes)."""
     port: int = Field(0, ge=0, le=65535)
     """Port the proxy binds; 0 picks a free one."""
-    auth_token: str | None = None
-    """Bearer token required on control routes (load, unload, pause, resume, replicas)."""
+    auth_token: SecretStr | None = None
+    """Bearer token required on control routes (load, unload, pause, resume, replicas). A run generates
+    one when unset; it is never logged or written to the bucket."""
     routing_policy: Literal["prefix", "round_robin", "least_loaded"] = "prefix"
     """How generation requests pick a replica: by prompt prefix (and adapter version) with the imbalance
     guard, or one of the two baselines the benchmarks compare it with."""
@@ -156,15 +162,6 @@ class ProxyConfig(Section):
     num_cpus: float = Field(0.0, ge=0)
     """CPUs the proxy actor reserves."""
 
-    @model_validator(mode="after")
-    def _token_off_loopback(self) -> ProxyConfig:
-        if self.host not in ("127.0.0.1", "localhost", "::1") and not self.auth_token:
-            raise ValueError(
-                f"proxy.host={self.host!r} is not a loopback address: set proxy.auth_token so that control "
-                "routes (load/unload/pause/resume) are not open to the network"
-            )
-        return self
-
 
 class BucketConfig(Section):
     uri: str = "bucket"
@@ -172,8 +169,9 @@ class BucketConfig(Section):
     `s3://bucket/prefix`. Relative directories resolve against the working directory of the driver."""
     s3_endpoint_url: str | None = None
     """Endpoint of an S3-compatible store (for s3:// URIs); None uses AWS."""
-    cache_dir: str = ".cache/adapters"
-    """Generators' local copy of adapters in s3 mode."""
+    cache_dir: str = ".cache/bucket"
+    """Generators' local mirror of the bucket in s3 mode: one per replica, with the bucket's layout, each
+    version verified against its manifest before vLLM may load it."""
     keep_every: int = Field(0, ge=0)
     """Also keep every K-th version beyond the live window (0 keeps only the live window)."""
 

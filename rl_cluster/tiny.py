@@ -215,12 +215,6 @@ def ensure_tiny_model(cache_dir: str | Path | None = None) -> Path:
     return final
 
 
-def resolve_model_path(path: str) -> str:
-    """`model.path` from a run config: "tiny" means the locally made model (built here on first use, so
-    each node of a cluster makes its own identical copy); anything else is a model id or directory."""
-    return str(ensure_tiny_model()) if path == "tiny" else path
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache-dir", default=None, help="default: $RL_CLUSTER_CACHE or <repo>/.cache")

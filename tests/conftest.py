@@ -2,30 +2,39 @@
 
 The servers are session-scoped because each takes ~30 s to start on 2 cores; tests that change a
 server's state (load adapters, pause) must undo it or use names of their own.
+
+Every test that starts vLLM carries the `vllm` marker, so `pytest -m "not vllm"` is the fast lane: those
+using the `vllm_servers` or `marked_ray` fixtures and everything under tests/e2e/ are marked here;
+modules that start vLLM some other way say `pytestmark = pytest.mark.vllm` themselves.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+# One free-port helper and one moto launcher for the tests and the benchmarks (`python -m bench`); tests
+# import them from here.
+from bench.common import S3_ENV, free_port, moto_s3
 from rl_cluster.generator.server import ServerSpec, VLLMServer
 
+__all__ = ["S3_ENV", "free_port", "moto_s3"]
+
 REPO = Path(__file__).resolve().parents[1]
+E2E = REPO / "tests" / "e2e"
+# Fixtures that exist only to run vLLM servers (marked_ray: a private Ray for tests whose actors start them).
+VLLM_FIXTURES = {"vllm_servers", "marked_ray"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if VLLM_FIXTURES & set(item.fixturenames) or E2E in item.path.parents:
+            item.add_marker(pytest.mark.vllm)
 
 
 @pytest.fixture(scope="session")
@@ -58,46 +67,6 @@ def vllm_servers(tiny_model_dir, tmp_path_factory) -> list[VLLMServer]:
     finally:
         for server in servers:
             server.stop()
-
-
-S3_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
-
-
-@contextlib.contextmanager
-def moto_s3(bucket: str):
-    """A real S3-compatible server (moto) on a free loopback port with one bucket; yields its endpoint.
-    Needs S3_ENV in the environment (moto accepts any credentials, s3fs insists on some)."""
-    import boto3
-
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-p", str(port), "-H", "127.0.0.1"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                client.create_bucket(Bucket=bucket)  # no location constraint: moto refuses one
-                break
-            except Exception:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise
-                time.sleep(0.1)
-        yield endpoint
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def vllm_pids_with(marker: str) -> set[int]:
@@ -157,15 +126,14 @@ def marked_ray():
 
 def publish_lora(bucket, run: str, version: int, model_dir: Path, work_dir: Path) -> str:
     """Publish a fresh random LoRA on the tiny model as `<run>-v<version>`; returns its URI."""
-    import json
 
-    from rl_cluster.core.manifest import base_model_fingerprint
+    from rl_cluster.models import model_fingerprint
 
     src = work_dir / f"lora-src-{version}"
     save_lora(model_dir, src, seed=version)
     return bucket.publish_adapter(
         run, run, version, src, base_model=str(model_dir),
-        base_fingerprint=base_model_fingerprint(json.loads((model_dir / "config.json").read_text())),
+        base_fingerprint=model_fingerprint(model_dir),
         rank=1, alpha=2, target_modules="all-linear", trainer_step=version,
     )  # fmt: skip
 

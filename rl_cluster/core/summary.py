@@ -27,6 +27,12 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+# Lines a run prints that must each reach the job's logs (Ray's RAY_DEDUP_LOGS_ALLOW_REGEX). Ray's
+# driver collapses lines that differ only in their numbers when several sources print them ("[repeated
+# 16x across cluster]"), which would swallow progress lines.
+NEVER_DEDUPLICATED = r"step +\d+/\d+  reward|checkpoint step \d+ published|SERVED != TRAINED"
+
+
 def progress_line(record: dict, max_steps: int) -> str:
     return (
         f"step {record['step']:>4}/{max_steps}  reward {_fmt(record['reward'], '.3f')}  "
@@ -46,13 +52,24 @@ def fifths(values: list[float]) -> tuple[float | None, float | None]:
     return _mean(values[:k]), _mean(values[-k:])
 
 
-def summarize(trainer_result: dict, proxy_stats: dict, wall_time_s: float) -> dict:
+def summarize(
+    trainer_result: dict,
+    proxy_stats: dict,
+    wall_time_s: float,
+    status: str = "finished",
+    error: str | None = None,
+    placement: dict | None = None,
+) -> dict:
+    """`status`: finished, stopped (a signal, `ray job stop`) or failed (`error` says why); a run that did
+    not finish is summarised with what it did. `placement`: actor -> {address, node_id}."""
     history, syncs = trainer_result["history"], trainer_result["syncs"]
     first, last = fifths([r["reward"] for r in history])
     handoffs = [s["handoff_s"] for s in syncs]
     gaps = [s["served_vs_trained_gap"] for s in syncs if "served_vs_trained_gap" in s]
-    replicas = proxy_stats["replicas"]
+    replicas = proxy_stats.get("replicas", {})
     return {
+        "status": status,
+        "error": error,
         "steps": len(history),
         "wall_time_s": round(wall_time_s, 1),
         "reward_first_fifth": first,
@@ -67,11 +84,22 @@ def summarize(trainer_result: dict, proxy_stats: dict, wall_time_s: float) -> di
         "mean_staleness": _mean([r["staleness"] for r in history]),
         "routing": proxy_stats.get("routing", {}),
         "checkpoints": trainer_result.get("checkpoints", []),
+        "placement": placement or {},
     }
+
+
+def exit_status(summary: dict, tolerance: float) -> int:
+    """0: finished and served = trained; 2: finished but the served adapter is not the trained one (or
+    was never checked); 1: stopped or failed."""
+    if summary["status"] != "finished":
+        return 1
+    gap = summary["served_vs_trained_gap"]
+    return 0 if gap is not None and gap <= tolerance else 2
 
 
 def summary_table(summary: dict) -> str:
     rows = [
+        ("status", summary["status"] + (f": {summary['error']}" if summary.get("error") else "")),
         ("steps", summary["steps"]),
         ("wall time", f"{summary['wall_time_s']:.0f} s"),
         ("reward, first fifth", _fmt(summary["reward_first_fifth"], ".3f")),
@@ -88,5 +116,7 @@ def summary_table(summary: dict) -> str:
     for rid, n in summary["requests"].items():
         loaded = len(summary["versions_loaded"][rid])
         rows.append((f"replica {rid}", f"{n} requests, {loaded} versions loaded"))
+    for actor, where in summary.get("placement", {}).items():
+        rows.append((f"{actor} on", where["address"]))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -8,19 +8,19 @@ replica serves. Only then does vLLM see the path.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import socket
 from pathlib import Path
 
+import aiohttp
 import ray
 
 from rl_cluster.bucket import Bucket, apply_cache_retention
 from rl_cluster.config import RunConfig
-from rl_cluster.core.manifest import base_model_fingerprint, split_adapter_dir_name
+from rl_cluster.core.manifest import split_adapter_dir_name
 from rl_cluster.generator.server import ServerSpec, VLLMServer
-from rl_cluster.proxy.server import HttpReplicaControl
-from rl_cluster.tiny import resolve_model_path
+from rl_cluster.models import model_fingerprint, resolve_model
+from rl_cluster.proxy.adapter_loader import HttpAdapterLoader
 
 
 def _free_port(host: str) -> int:
@@ -29,19 +29,27 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _serving_host() -> str:
-    """Loopback on a one-node cluster; the node's address when the proxy may be on another node."""
-    return "127.0.0.1" if len(ray.nodes()) <= 1 else ray.util.get_node_ip_address()
-
-
 class Generator:
-    def __init__(self, replica_id: str, config: RunConfig, log_dir: str):
+    def __init__(
+        self,
+        replica_id: str,
+        config: RunConfig,
+        log_dir: str,
+        api_key: str | None = None,
+        loopback: bool = True,
+    ):
+        """`api_key`: the run's replica key, demanded by the server on every route but /health.
+        `loopback`: bind 127.0.0.1 (a private local Ray), else this node's address, where the proxy on
+        another node reaches it."""
         self.replica_id = replica_id
         self.config = config
+        self.api_key = api_key
+        self.host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
         self.log_dir = Path(log_dir)
         self.bucket = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url)
         self.server: VLLMServer | None = None
-        self.control: HttpReplicaControl | None = None
+        self.vllm: HttpAdapterLoader | None = None
+        self._session: aiohttp.ClientSession | None = None
         self.base_fingerprint = ""
         self.proxy = None
         self.loaded: set[str] = set()
@@ -51,11 +59,9 @@ class Generator:
         """Start vLLM, wait until healthy, register with `proxy` (which loads every live adapter version
         on it before routing to it), return the server's URL."""
         g, model = self.config.generator, self.config.model
-        model_dir = await asyncio.to_thread(resolve_model_path, model.path)
-        self.base_fingerprint = base_model_fingerprint(
-            json.loads((Path(model_dir) / "config.json").read_text())
-        )
-        host = _serving_host()
+        model_dir = await asyncio.to_thread(resolve_model, model.path, model.revision)
+        self.base_fingerprint = model_fingerprint(model_dir)
+        host = self.host
         use_gpu = g.num_gpus > 0
         spec = ServerSpec(
             model=str(model_dir),
@@ -72,16 +78,26 @@ class Generator:
             use_gpu=use_gpu,
             gpu_memory_utilization=g.gpu_memory_utilization,
             extra_args=tuple(g.extra_args),
+            api_key=self.api_key,
         )
         self.server = VLLMServer(spec, self.log_dir / f"vllm-{self.replica_id}.log")
         self.server.start()
         await self.server.wait_healthy(g.startup_timeout_s)
-        self.control = HttpReplicaControl(self.server.url)
+        # The replica demands the run's key on every route; this actor's calls carry it.
+        self._session = aiohttp.ClientSession(
+            headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        )
+        self.vllm = HttpAdapterLoader(self.server.url, self._session)
         if proxy is not None:
             me = ray.get_runtime_context().current_actor
-            await proxy.add_replica.remote(self.replica_id, self.server.url, ActorReplicaControl(me))
+            await proxy.add_replica.remote(self.replica_id, self.server.url, ActorAdapterLoader(me))
             self.proxy = proxy
         return self.server.url
+
+    def placement(self) -> dict:
+        from rl_cluster.cluster import node_placement
+
+        return node_placement()
 
     async def load_adapter(self, name: str, path: str) -> None:
         """Fetch and verify `path` (raises AdapterNotFound / AdapterRejected), then load it into vLLM."""
@@ -93,13 +109,13 @@ class Generator:
             base_fingerprint=self.base_fingerprint,
             max_lora_rank=self.config.generator.max_lora_rank,
         )
-        await self.control.load_adapter(name, str(local))
+        await self.vllm.load_adapter(name, str(local))
         self.loaded.add(name)
         if self.bucket.is_remote:
             await asyncio.to_thread(self._trim_cache, name)
 
     async def unload_adapter(self, name: str) -> None:
-        await self.control.unload_adapter(name)
+        await self.vllm.unload_adapter(name)
         self.loaded.discard(name)
         self.last_unloaded = name
 
@@ -130,16 +146,24 @@ class Generator:
         if self.server is not None:
             await asyncio.to_thread(self.server.stop)
             self.server = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
 
 GeneratorActor = ray.remote(Generator)
 
 
-class ActorReplicaControl:
+class ActorAdapterLoader:
     """The proxy's handle on a replica whose loads go through its GeneratorActor (verify, then load)."""
 
     def __init__(self, actor):
         self.actor = actor
+
+    def placement(self) -> dict:
+        from rl_cluster.cluster import node_placement
+
+        return node_placement()
 
     async def load_adapter(self, name: str, path: str) -> None:
         try:

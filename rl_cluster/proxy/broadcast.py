@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from rl_cluster.errors import AdapterNotFound, AdapterRejected
-from rl_cluster.proxy.control import ReplicaControl
+from rl_cluster.proxy.adapter_loader import AdapterLoader
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class LoadFailed(Exception):
 
 
 async def load_with_retry(
-    control: ReplicaControl,
+    loader: AdapterLoader,
     name: str,
     path: str,
     *,
@@ -52,7 +52,7 @@ async def load_with_retry(
     deadline = time.monotonic() + deadline_s
     while True:
         try:
-            await control.load_adapter(name, path)
+            await loader.load_adapter(name, path)
             return
         except AdapterNotFound as e:
             not_found = e
@@ -69,7 +69,7 @@ async def load_with_retry(
 async def load_everywhere(
     name: str,
     path: str,
-    controls: dict[str, ReplicaControl],
+    loaders: dict[str, AdapterLoader],
     *,
     retry_s: float,
     deadline_s: float,
@@ -77,29 +77,29 @@ async def load_everywhere(
     holders: Callable[[], list[str]],
     unloaded: Callable[[str], None],
 ) -> None:
-    """Load on every replica of `controls` concurrently, calling `loaded(replica)` for each success. On any
+    """Load on every replica of `loaders` concurrently, calling `loaded(replica)` for each success. On any
     failure, unload from `holders()` (calling `unloaded(replica)` for each) and raise LoadFailed."""
     give_up = asyncio.Event()
 
     async def load_one(replica_id: str) -> None:
         try:
             await load_with_retry(
-                controls[replica_id], name, path, retry_s=retry_s, deadline_s=deadline_s, give_up=give_up
+                loaders[replica_id], name, path, retry_s=retry_s, deadline_s=deadline_s, give_up=give_up
             )
         except BaseException:
             give_up.set()
             raise
         loaded(replica_id)
 
-    targets = list(controls)
+    targets = list(loaders)
     results = await asyncio.gather(*(load_one(r) for r in targets), return_exceptions=True)
     failures = {r: e for r, e in zip(targets, results, strict=True) if isinstance(e, BaseException)}
     if not failures:
         return
     rolled_back = []
-    for replica_id in [r for r in holders() if r in controls]:
+    for replica_id in [r for r in holders() if r in loaders]:
         try:
-            await controls[replica_id].unload_adapter(name)
+            await loaders[replica_id].unload_adapter(name)
         except AdapterNotFound:
             pass  # not there: rolled back all the same
         except Exception:

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import aiohttp
 
-from rl_cluster.proxy.control import error_message
+from rl_cluster.proxy.adapter_loader import error_message
 from rl_cluster.proxy.metrics import LatencyHistogram
 
 logger = logging.getLogger(__name__)

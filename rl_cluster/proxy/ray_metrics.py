@@ -1,8 +1,9 @@
 """The proxy's metrics as Ray metrics (ray.util.metrics), so the Ray dashboard and its Prometheus show them.
 
-Only the ProxyActor uses this; ProxyServer knows nothing of Ray. Gauges and counters are refreshed from
-`ProxyServer.stats()` snapshots (counters advance by the difference since the last snapshot, since Ray
-counters only increment); broadcast latencies are forwarded one by one as they are observed.
+Only the ProxyActor uses this; ProxyServer knows nothing of Ray. The metrics are the ones defined in
+rl_cluster.proxy.metrics. Gauges and counters are refreshed from `ProxyServer.stats()` snapshots
+(counters advance by the difference since the last snapshot, since Ray counters only increment);
+broadcast latencies are forwarded one by one as they are observed.
 """
 
 from __future__ import annotations
@@ -10,7 +11,18 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from rl_cluster.proxy.metrics import ROUTE_REASONS, LatencyHistogram
+from rl_cluster.proxy.metrics import (
+    ADAPTERS_LOADED,
+    ADAPTERS_ROUTABLE,
+    BROADCAST_SECONDS,
+    IN_FLIGHT,
+    REPLICA_ACTIVE,
+    REQUESTS,
+    RETRIES,
+    ROUTE_REASONS,
+    ROUTES,
+    LatencyHistogram,
+)
 
 EXPORT_INTERVAL_S = 5.0
 
@@ -20,27 +32,22 @@ class RayMetrics:
 
     def __init__(self, metrics: ModuleType | None = None):
         m = metrics or importlib.import_module("ray.util.metrics")
-        replica = ("replica",)
-        self.in_flight = m.Gauge("rl_proxy_in_flight", "Requests in flight per replica.", tag_keys=replica)
-        self.requests = m.Counter("rl_proxy_requests", "Requests routed per replica.", tag_keys=replica)
-        self.active = m.Gauge(
-            "rl_proxy_replica_active", "1 when the replica takes traffic.", tag_keys=replica
-        )
+        self.in_flight = m.Gauge(IN_FLIGHT.name, IN_FLIGHT.help, tag_keys=IN_FLIGHT.labels)
+        self.requests = m.Counter(REQUESTS.name, REQUESTS.help, tag_keys=REQUESTS.labels)
+        self.active = m.Gauge(REPLICA_ACTIVE.name, REPLICA_ACTIVE.help, tag_keys=REPLICA_ACTIVE.labels)
         self.adapters_loaded = m.Gauge(
-            "rl_proxy_adapters_loaded", "Adapter versions loaded per replica.", tag_keys=replica
+            ADAPTERS_LOADED.name, ADAPTERS_LOADED.help, tag_keys=ADAPTERS_LOADED.labels
         )
-        self.routes = m.Counter(
-            "rl_proxy_routes",
-            "Routing decisions by reason (affinity, spill, unmatched).",
-            tag_keys=("reason",),
+        self.routes = m.Counter(ROUTES.name, ROUTES.help, tag_keys=ROUTES.labels)
+        self.retries = m.Counter(RETRIES.name, RETRIES.help, tag_keys=RETRIES.labels)
+        self.adapters_routable = m.Gauge(
+            ADAPTERS_ROUTABLE.name, ADAPTERS_ROUTABLE.help, tag_keys=ADAPTERS_ROUTABLE.labels
         )
-        self.retries = m.Counter("rl_proxy_retries", "Generations retried on another replica.")
-        self.adapters_routable = m.Gauge("rl_proxy_adapters_routable", "Adapter versions routable.")
         self.broadcast = m.Histogram(
-            "rl_proxy_broadcast_seconds",
-            "Seconds a broadcast (load, unload, pause, resume) to every replica took.",
+            BROADCAST_SECONDS.name,
+            BROADCAST_SECONDS.help,
             boundaries=list(LatencyHistogram.BUCKETS),
-            tag_keys=("op",),
+            tag_keys=BROADCAST_SECONDS.labels,
         )
         self._seen: dict[tuple[str, str], float] = {}  # counter key -> value at the last update
 

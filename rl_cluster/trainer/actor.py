@@ -13,9 +13,9 @@ import ray
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.config import RunConfig
-from rl_cluster.core.manifest import base_model_fingerprint
 from rl_cluster.core.summary import progress_line, step_record
-from rl_cluster.tiny import make_prompts, resolve_model_path
+from rl_cluster.models import model_fingerprint, resolve_model
+from rl_cluster.tiny import make_prompts
 from rl_cluster.trainer.check import served_vs_trained_gap
 from rl_cluster.trainer.proxy_client import ProxyClient
 
@@ -33,17 +33,33 @@ def load_prompts(config: RunConfig):
 
     task = config.task
     if task.prompts == "jsonl":
-        rows = [json.loads(line) for line in Path(task.jsonl_path).read_text().splitlines() if line.strip()]
+        rows = []
+        for number, line in enumerate(Path(task.jsonl_path).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"{task.jsonl_path} line {number} is not JSON ({e.msg}): {line[:80]!r}"
+                ) from None
     else:
         rows = make_prompts(task.num_prompts, seed=config.trainer.seed)
     return Dataset.from_list(rows)
 
 
 class Trainer:
-    def __init__(self, config: RunConfig, proxy_url: str):
+    def __init__(self, config: RunConfig, proxy_url: str, proxy_token: str | None = None,
+                 replica_key: str | None = None):  # fmt: skip
+        """`proxy_token`: for the proxy's control routes; `replica_key`: for the served-vs-trained check,
+        which samples from each replica directly."""
         self.config = config
         self.proxy_url = proxy_url
-        self.proxy = ProxyClient(proxy_url, config.proxy.auth_token)
+        configured = config.proxy.auth_token
+        self.proxy = ProxyClient(
+            proxy_url, proxy_token or (configured.get_secret_value() if configured else None)
+        )
+        self.replica_key = replica_key
         self.bucket = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url)
         self.history: list[dict] = []
         self.syncs: list[dict] = []
@@ -52,6 +68,7 @@ class Trainer:
         self._base_fingerprint = ""
         self.trainer = None
         self._check_prompt_ids: list[int] = []
+        self._train_start: float | None = None
 
     # -- reporting -------------------------------------------------------------------------------------
     def _on_step(self, step: int, logs: dict) -> None:
@@ -77,6 +94,7 @@ class Trainer:
                 self._check_prompt_ids,
                 check.samples,
                 self.config.trainer.max_new_tokens,
+                api_key=self.replica_key,
             )
             record["served_vs_trained_gap"] = max(gaps.values())
             if not record["served_vs_trained_gap"] <= check.tolerance:
@@ -116,8 +134,8 @@ class Trainer:
         apply_trainer_workarounds()
         c = self.config
         t = c.trainer
-        model_dir = resolve_model_path(c.model.path)
-        fingerprint = base_model_fingerprint(json.loads((Path(model_dir) / "config.json").read_text()))
+        model_dir = resolve_model(c.model.path, c.model.revision)
+        fingerprint = model_fingerprint(model_dir)
         self._base_fingerprint = fingerprint
         output_dir = tempfile.mkdtemp(prefix=f"rl_cluster-{c.run_name}-")
         args = AsyncGRPOConfig(
@@ -177,17 +195,28 @@ class Trainer:
         self._check_prompt_ids = tokenizer.apply_chat_template(
             dataset[0]["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
         )
-        start = time.time()
+        self._train_start = time.time()
         try:
             self.trainer.train()
         finally:
             self._write_metrics()
+        return self.report()
+
+    def report(self) -> dict:
+        """What the run did so far: callable while train() runs (the actor has a second thread for it),
+        so a stopped or failed run still gets its summary."""
         return {
-            "history": self.history,
-            "syncs": self.syncs,
-            "checkpoints": self.checkpoints,
-            "train_wall_s": time.time() - start,
+            "history": list(self.history),
+            "syncs": list(self.syncs),
+            "checkpoints": list(self.checkpoints),
+            "train_wall_s": time.time() - self._train_start if self._train_start else 0.0,
         }
 
+    def placement(self) -> dict:
+        from rl_cluster.cluster import node_placement
 
-TrainerActor = ray.remote(Trainer)
+        return node_placement()
+
+
+# Two threads: train() holds one for the whole run; report() and placement() answer on the other.
+TrainerActor = ray.remote(max_concurrency=2)(Trainer)

@@ -15,11 +15,13 @@ import requests
 import torch
 
 
-def sample_from_replica(url: str, adapter: str, prompt_ids: list[int], n: int, max_tokens: int) -> list[dict]:
+def sample_from_replica(url: str, adapter: str, prompt_ids: list[int], n: int, max_tokens: int,
+                        api_key: str | None = None) -> list[dict]:  # fmt: skip
     """n sampled completions (token ids and their logprobs) from one replica, at temperature 1 so that
-    vLLM's processed logprobs are the plain log-softmax."""
+    vLLM's processed logprobs are the plain log-softmax. `api_key`: the run's replica key."""
     response = requests.post(
         f"{url}/v1/completions",
+        headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
         json={
             "model": adapter,
             "prompt": prompt_ids,
@@ -61,7 +63,7 @@ def trainer_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) ->
 
 
 def served_vs_trained_gap(model, replica_urls: list[str], adapter: str, prompt_ids: list[int], n: int,
-                          max_tokens: int) -> dict[str, float]:  # fmt: skip
+                          max_tokens: int, api_key: str | None = None) -> dict[str, float]:  # fmt: skip
     """Mean absolute logprob difference per replica over n sampled completions."""
     was_training = model.training
     model.eval()
@@ -70,7 +72,7 @@ def served_vs_trained_gap(model, replica_urls: list[str], adapter: str, prompt_i
         with plain_attention(model):
             for url in replica_urls:
                 diffs = []
-                for sample in sample_from_replica(url, adapter, prompt_ids, n, max_tokens):
+                for sample in sample_from_replica(url, adapter, prompt_ids, n, max_tokens, api_key):
                     ours = trainer_logprobs(model, prompt_ids, sample["token_ids"])
                     diffs.append((ours - torch.tensor(sample["logprobs"])).abs())
                 gaps[url] = float(torch.cat(diffs).mean()) if diffs else float("nan")

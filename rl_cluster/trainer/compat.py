@@ -15,12 +15,22 @@ unpatched code fails on a CPU machine) and that the replacement is correct.
    servers collides ("already loaded"), and vLLM keys its prefix cache by name.
 5. The rollout worker's score queue holds 16 groups, not configurable: on a small batch that is
    several steps' worth of finished samples waiting, which then go stale and are dropped.
+6. The rollout loop names the adapter of each *request* after the policy version current when the
+   request is sent (`_AsyncRolloutLoop._request_model` reads the shared version), while the group's
+   staleness is counted from the version current when its first sample was dispatched. When the
+   in-flight slots run out mid-group (they do: TRL dispatches a group's samples as slots free up), a
+   sync in between splits the group across two adapters: two prompt prefixes (so two replicas and two
+   KV caches), and samples of a newer policy scored as older ones. `GroupPinnedRolloutLoop` asks for
+   the group's own version for all its samples, to the last token.
 """
 
 from __future__ import annotations
 
+import contextvars
+
 import torch
 import torch.nn.functional as F
+from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
 
 
 def varlen_attention(
@@ -109,3 +119,50 @@ def name_run_adapters(trainer, prefix: str) -> None:
 def bound_score_queue(trainer, groups: int) -> None:
     """Let at most `groups` finished groups wait for scoring (before train())."""
     trainer.rollout_worker._loop_kwargs["score_queue_maxsize"] = groups
+
+
+# The version the group of the sample being generated was pinned to (set per sample's asyncio task).
+_GROUP_VERSION: contextvars.ContextVar[int | None] = contextvars.ContextVar("group_version", default=None)
+
+
+class GroupPinnedRolloutLoop(_AsyncRolloutLoop):
+    """TRL's rollout loop, with every sample of a group generated under the group's version (item 6).
+
+    `pinned_window`: how many versions back a pinned group may ask for. An older group is dropped as
+    stale when scored, and its adapter may be unloaded already (the trainer unloads versions that left
+    the window), so its remaining samples ask for the newest version instead of failing.
+    """
+
+    def __init__(self, *args, pinned_window: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pinned_window = pinned_window
+        self._group_versions: dict[int, list[int]] = {}  # group id -> [version, samples dispatched]
+
+    def _generate_one(self, prompt, tool_dict, tools, group_id: int = 0):
+        # Not a coroutine function on purpose: this body runs when the generate loop dispatches the sample,
+        # in the same synchronous stretch in which it created the group and read its version.
+        entry = self._group_versions.setdefault(group_id, [self.model_version, 0])
+        entry[1] += 1
+        if entry[1] >= self.num_generations:
+            del self._group_versions[group_id]  # every sample dispatched
+        return self._generate_pinned(entry[0], prompt, tool_dict=tool_dict, tools=tools, group_id=group_id)
+
+    async def _generate_pinned(self, version: int, *args, **kwargs):
+        _GROUP_VERSION.set(version)  # this sample's task has its own context
+        return await super()._generate_one(*args, **kwargs)
+
+    @property
+    def _request_model(self) -> str:
+        pinned = _GROUP_VERSION.get()
+        if self.lora_name is None or pinned is None or self.model_version - pinned > self.pinned_window:
+            return super()._request_model
+        return f"{self.lora_name}-v{pinned}"
+
+
+def pin_group_versions(trainer, window: int) -> None:
+    """Generate each group under one adapter version (item 6); before train(), which spawns the loop."""
+    worker = trainer.rollout_worker
+    if worker._loop_cls is not _AsyncRolloutLoop:
+        raise RuntimeError(f"pin_group_versions would replace a custom rollout loop {worker._loop_cls!r}")
+    worker._loop_cls = GroupPinnedRolloutLoop
+    worker._loop_kwargs["pinned_window"] = window

@@ -25,7 +25,7 @@ from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer, sav
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.core.manifest import adapter_dir_name, split_adapter_dir_name
-from rl_cluster.trainer.compat import bound_score_queue, name_run_adapters
+from rl_cluster.trainer.compat import bound_score_queue, name_run_adapters, pin_group_versions
 from rl_cluster.trainer.proxy_client import ProxyClient
 
 
@@ -49,6 +49,7 @@ class BucketSyncTrainer(AsyncGRPOTrainer):
                 "started with --enable-lora (check generator.max_loras and generator.max_lora_rank)"
             )
         name_run_adapters(self, run_name)
+        pin_group_versions(self, window=self.args.max_staleness)
         bound_score_queue(
             self, groups=max(1, self.args.per_device_train_batch_size // self.args.num_generations)
         )

@@ -51,6 +51,6 @@ def test_training_through_an_s3_bucket(tmp_path, monkeypatch):
     for replica, loaded in summary["versions_loaded"].items():
         assert set(summary["versions_published"]) <= set(loaded), replica
         # Each replica loaded from its own verified local copy, which keeps the live window.
-        cached = {p.name for p in (cache / replica / RUN).iterdir()}
+        cached = {p.name for p in (cache / replica / RUN / "adapters").iterdir()}
         assert f"{RUN}-v{published[-1]}" in cached, (replica, cached)
-        assert (cache / replica / RUN / f"{RUN}-v{published[-1]}" / "manifest.json").exists()
+        assert (cache / replica / RUN / "adapters" / f"{RUN}-v{published[-1]}" / "manifest.json").exists()

@@ -1,27 +1,36 @@
-"""`python -m bench --quick` end to end, so the benchmarks do not rot: every table must be there and
-hold numbers, not placeholders or failures. Starts real vLLM servers, vllm-router, moto and Ray."""
+"""`python -m bench --quick` end to end, so the benchmarks do not rot: every table is there, its numbers
+are the ones in results.json, and they obey what must hold whatever the machine's speed (shares within
+0..1, medians within their ranges, counts equal to the plan, a part never slower than its whole, the
+prefix policy keeping GRPO groups together). Starts real vLLM servers, vllm-router, moto and Ray."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
+from bench.__main__ import QUICK
+from bench.common import GROUP_SIZE
+
 pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]
+VLLM_CPU_BLOCK = 128  # tokens per KV block in vLLM's CPU build: only whole blocks are prefix-cache hits
 
 SECTIONS = {
-    "## 1. Routing": 3,  # at least our prefix policy and vllm-router's two policies
+    "## 1. Routing": 3,  # at least our three policies (vllm-router's two when it is installed)
     "## 2. Proxy overhead": 2,
     "## 3. Handoff": 3,
     "## 4. Scaling": 2,
     "## 5. Asynchronous vs synchronous GRPO": 2,
 }
 NUMBER = re.compile(r"[-+]?\d+(\.\d+)?")
+PLOTS = ("routing", "overhead", "handoff", "scaling", "async_vs_sync")
 
 
 def table_rows(text: str, heading: str) -> list[list[str]]:
@@ -32,8 +41,15 @@ def table_rows(text: str, heading: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
 
 
-def test_bench_quick(tmp_path):
-    out = tmp_path / "BENCHMARKS.md"
+def share(x: float) -> bool:
+    return 0.0 <= x <= 1.0
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """One quick run for the module: (markdown text, results.json, output directory)."""
+    out_dir = tmp_path_factory.mktemp("bench")
+    out = out_dir / "BENCHMARKS.md"
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--out", str(out)],
         cwd=REPO,
@@ -42,8 +58,15 @@ def test_bench_quick(tmp_path):
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    text = out.read_text()
+    assert f"wrote {out}" in proc.stdout
+    return out.read_text(), json.loads((out_dir / "results.json").read_text()), out_dir
+
+
+def test_report_has_every_table_with_numbers_and_the_plots(bench_run):
+    text, results, out_dir = bench_run
     assert "FAILED" not in text
+    assert not [name for name, r in results.items() if isinstance(r, dict) and "error" in r]
+    assert results["plan"] == asdict(QUICK)
     for heading, min_rows in SECTIONS.items():
         assert heading in text, heading
         rows = table_rows(text, heading)
@@ -53,7 +76,104 @@ def test_bench_quick(tmp_path):
             values = [cell for cell in row[1:] if cell != "-"]
             assert values and all(NUMBER.search(cell) for cell in values), (heading, row)
             assert not any("n/a" in cell or "nan" in cell.lower() for cell in row), (heading, row)
-    assert re.search(r"Speedup of asynchronous over synchronous: \d+\.\d+x measured; ideal \d+\.\d+x", text)
+    # One table row per measured row, in the same order.
+    for heading, key, label in (("## 1. Routing", "routing", "router"), ("## 2. Proxy overhead", "overhead", "path"),
+                                ("## 3. Handoff", "handoff", "path")):  # fmt: skip
+        assert [r[0] for r in table_rows(text, heading)] == [r[label] for r in results[key]["rows"]]
     assert "Machine: " in text and "vllm" in text and "command: `python -m bench --quick" in text
-    for plot in ("routing", "overhead", "handoff", "scaling", "async_vs_sync"):
-        assert (tmp_path / f"{plot}.png").stat().st_size > 0
+    for plot in PLOTS:
+        assert (out_dir / f"{plot}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", plot
+
+
+def test_routing_keeps_groups_together_and_obeys_the_cache_bound(bench_run):
+    text, results, _ = bench_run
+    routing = results["routing"]
+    load = routing["load"]
+    assert (load["groups"], load["group_size"]) == (QUICK.routing_groups, GROUP_SIZE)
+    assert load["prompt_tokens"] > VLLM_CPU_BLOCK  # else no block of a prompt could ever be a cache hit
+    # At best a group's first request computes its cached blocks and the other G-1 reuse them.
+    cacheable = (load["prompt_tokens"] // VLLM_CPU_BLOCK) * VLLM_CPU_BLOCK / load["prompt_tokens"]
+    best_hit_rate = (GROUP_SIZE - 1) / GROUP_SIZE * cacheable
+    rows = {r["router"]: r for r in routing["rows"]}
+    ours = {"rl_cluster proxy, prefix", "rl_cluster proxy, round_robin", "rl_cluster proxy, least_loaded"}
+    assert ours <= set(rows)
+    for label, r in rows.items():
+        assert r["reps"] == QUICK.reps, label
+        assert share(r["affinity"]) and share(r["cache_hit_rate"]), (label, r)
+        assert 0.5 <= r["share_on_busier_replica"] <= 1.0, (label, r)  # two replicas
+        assert r["cache_hit_rate"] <= best_hit_rate + 1e-9, (label, r, best_hit_rate)
+        low, high = r["throughput_range"]
+        assert 0 < low <= r["throughput"] <= high, (label, r)
+        assert 0.05 < r["throughput_vs_ours"] < 20, (label, r)
+    prefix, round_robin = rows["rl_cluster proxy, prefix"], rows["rl_cluster proxy, round_robin"]
+    assert prefix["throughput_vs_ours"] == 1.0
+    assert prefix["affinity"] >= 0.85  # the G samples of a group land on one replica (a rare spill aside)
+    assert prefix["affinity"] > round_robin["affinity"]
+    assert prefix["cache_hit_rate"] >= round_robin["cache_hit_rate"]
+    (our_row,) = [row for row in table_rows(text, "## 1. Routing") if row[0] == "rl_cluster proxy, prefix"]
+    assert our_row[1] == f"{100 * prefix['affinity']:.1f}%"
+
+
+def test_overhead_and_scaling_are_measured_against_their_own_baseline(bench_run):
+    _, results, _ = bench_run
+    overhead = results["overhead"]["rows"]
+    assert overhead[0]["path"] == "direct to vLLM"
+    assert (overhead[0]["throughput_vs_direct"], overhead[0]["added_p50_ms"]) == (1.0, 0.0)
+    for r in overhead:
+        assert 0 < r["p50_ms"] <= r["p99_ms"], r
+        assert 0.05 < r["throughput_vs_direct"] < 20, r
+    scaling = results["scaling"]["rows"]
+    assert [r["generators"] for r in scaling] == [1, 2]
+    assert scaling[0]["speedup_vs_1"] == 1.0
+    for r in scaling:
+        assert r["reps"] == QUICK.reps
+        low, high = r["throughput_range"]
+        assert 0 < low <= r["throughput"] <= high, r
+    assert 0.05 < scaling[1]["speedup_vs_1"] < 2.5  # two generators cannot beat twice one
+
+
+def test_handoff_parts_add_up(bench_run):
+    _, results, _ = bench_run
+    handoff = results["handoff"]
+    rows = {r["path"]: r for r in handoff["rows"]}
+    assert len(rows) == 3 and handoff["versions"] == QUICK.handoff_versions
+    for path, r in rows.items():
+        columns = {k: v for k, v in r.items() if k != "path"}
+        expected = (
+            {"load_s"}
+            if path.startswith("direct vLLM")
+            else {"publish_s", "verify_s", "load_s", "routable_s"}
+        )
+        assert set(columns) == expected, path
+        for name, c in columns.items():
+            assert c["n"] == QUICK.handoff_versions and 0 < c["p50_ms"] <= c["p95_ms"], (path, name, c)
+        if "routable_s" in columns:  # routable = publish + load, version by version
+            for part in ("publish_s", "load_s"):
+                assert columns["routable_s"]["p50_ms"] >= columns[part]["p50_ms"], (path, part)
+                assert columns["routable_s"]["p95_ms"] >= columns[part]["p95_ms"], (path, part)
+    tiny, qwen = handoff["bytes"]["tiny"], handoff["bytes"]["qwen25_1p5b"]
+    assert 0 < tiny["lora_bytes"] < tiny["full_bytes"] / 10
+    assert qwen["lora_bytes_bf16"] < qwen["full_bytes_bf16"] / 100
+
+
+def test_async_vs_sync_is_consistent(bench_run):
+    text, results, _ = bench_run
+    a = results["async_vs_sync"]
+    assert (a["config"]["steps"], a["config"]["reps"]) == (QUICK.train_steps, QUICK.train_reps)
+    sync, asyn = a["rows"]
+    assert sync["mode"].startswith("synchronous") and asyn["mode"].startswith("asynchronous")
+    for r in (sync, asyn):
+        assert all(share(r[k]) for k in ("trainer_idle", "generator_idle", "dropped_share")), r
+        assert share(r["reward_at_equal_time"]) and share(r["reward_last_fifth"]), r
+        assert r["steps_per_hour"] == pytest.approx(3600 / r["mean_step_s"], rel=1e-6), r
+        assert 0 <= r["rollout_wait_s"] <= r["mean_step_s"] and r["compute_s"] > 0, r
+    s = a["speedup"]
+    assert (s["g_s"], s["t_s"]) == (sync["rollout_wait_s"], sync["compute_s"])
+    assert 1.0 <= s["ideal"] <= 2.0  # (g + t) / max(g, t)
+    assert s["share_of_ideal"] == pytest.approx(s["measured"] / s["ideal"])
+    assert 0.1 < s["measured"] < 10
+    assert len(a["curves"][sync["mode"]]) == len(a["curves"][asyn["mode"]]) == QUICK.train_steps
+    assert (
+        f"Speedup of asynchronous over synchronous: {s['measured']:.2f}x measured; ideal {s['ideal']:.2f}x"
+        in text
+    )

@@ -1,20 +1,24 @@
-"""The bucket protocol against real directories and a real S3 API (moto's server on loopback)."""
+"""The bucket protocol against real directories and a real S3 API (moto's server on loopback).
+
+Most tests run on both backends (`bucket`), and those about the commit rule on both kinds of published
+directory (`kind`: adapter versions and checkpoints), since the rule is one for all of them.
+"""
 
 import json
 import os
 import pickle
 import random
-import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from conftest import S3_ENV, free_port, moto_s3
 
-from rl_cluster import bucket as bucket_module
-from rl_cluster.bucket import Bucket, apply_cache_retention
+from rl_cluster.bucket import Bucket, apply_cache_retention, directory
 from rl_cluster.core.manifest import base_model_fingerprint
 from rl_cluster.errors import AdapterNotFound, AdapterRejected, BucketUnavailable
 
@@ -55,6 +59,10 @@ def weights_of(version: int, size: int = 4096) -> bytes:
     return random.Random(version).randbytes(size)
 
 
+def flipped(data: bytes) -> bytes:
+    return bytes([data[0] ^ 1]) + data[1:]
+
+
 def make_adapter(directory: Path, version: int = 1, rank: int = 1) -> Path:
     """A PEFT-shaped adapter directory (the protocol never parses the weights, so random bytes do)."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -67,324 +75,6 @@ def make_adapter(directory: Path, version: int = 1, rank: int = 1) -> Path:
     (directory / "adapter_config.json").write_text(json.dumps(config))
     (directory / "adapter_model.safetensors").write_bytes(weights_of(version))
     return directory
-
-
-def publish(bucket: Bucket, version: int, src: Path, rank: int = 1, name: str = "policy") -> str:
-    return bucket.publish_adapter(RUN, name, version, src, base_model="tiny", base_fingerprint=FP, rank=rank,
-                                  alpha=2.0 * rank, target_modules=["q_proj"], trainer_step=10 * version)  # fmt: skip
-
-
-def fetch(bucket: Bucket, uri: str, cache: Path, fingerprint: str = FP, max_rank: int = 8) -> Path:
-    return bucket.fetch_verified(uri, cache_dir=cache, base_fingerprint=fingerprint, max_lora_rank=max_rank)
-
-
-def put(bucket: Bucket, version_uri: str, name: str, data: bytes | None) -> None:
-    """Change a file of a published version behind the protocol's back (None deletes it)."""
-    if bucket.is_remote:
-        path = f"{version_uri.removeprefix('s3://')}/{name}"
-        bucket.s3.rm_file(path) if data is None else bucket.s3.pipe_file(path, data)
-    else:
-        path = Path(version_uri) / name
-        path.unlink() if data is None else path.write_bytes(data)
-
-
-def cache_entries(cache: Path) -> list[str]:
-    return sorted(os.listdir(cache / RUN)) if (cache / RUN).exists() else []
-
-
-def test_publish_and_fetch_round_trip(bucket, tmp_path):
-    src = make_adapter(tmp_path / "src", version=1)
-    uri = publish(bucket, 1, src)
-    assert uri == bucket.adapter_uri(RUN, "policy", 1)
-    assert uri.endswith(f"{RUN}/adapters/policy-v1")
-    assert bucket.list_versions(RUN, "policy") == [1]
-    assert bucket.list_versions(RUN, "other") == []
-    assert bucket.list_versions("no-such-run", "policy") == []
-
-    local = fetch(bucket, uri, tmp_path / "cache")
-    assert (local / "adapter_model.safetensors").read_bytes() == weights_of(1)
-    assert (local / "adapter_config.json").read_bytes() == (src / "adapter_config.json").read_bytes()
-    if bucket.is_remote:
-        assert local == (tmp_path / "cache" / RUN / "policy-v1").absolute()
-        assert fetch(bucket, uri, tmp_path / "cache") == local  # second time from the verified cache
-    else:
-        assert local == Path(uri).resolve()
-        assert not (tmp_path / "cache").exists()  # verified in place, nothing copied
-        assert [p.name for p in Path(uri).parent.iterdir()] == ["policy-v1"]  # no temporaries left
-    manifest = json.loads((local / "manifest.json").read_text())
-    assert manifest["version"] == 1 and manifest["trainer_step"] == 10 and manifest["rank"] == 1
-    assert manifest["files"]["adapter_model.safetensors"]["size"] == 4096
-
-    with pytest.raises(FileExistsError, match="never reused"):
-        publish(bucket, 1, src)
-
-
-def test_run_files_are_written_whole(bucket):
-    uri = bucket.write_text(RUN, "config.resolved.json", '{"a": 1}')
-    bucket.write_text(RUN, "config.resolved.json", '{"a": 2}')
-    bucket.write_bytes(RUN, "plots/curves.png", b"\x89PNG")
-    assert uri == f"{bucket.run_uri(RUN)}/config.resolved.json"
-    assert bucket.read_text(RUN, "config.resolved.json") == '{"a": 2}'
-    assert bucket.read_bytes(RUN, "plots/curves.png") == b"\x89PNG"
-    if not bucket.is_remote:
-        assert sorted(os.listdir(bucket.run_uri(RUN))) == ["config.resolved.json", "plots"]
-    with pytest.raises(ValueError, match="without '..'"):
-        bucket.write_text(RUN, "../escape.json", "{}")
-    with pytest.raises(ValueError, match="plain name"):
-        bucket.write_text("../up", "x.json", "{}")
-
-
-@pytest.mark.parametrize(
-    "name, data, error, message",
-    [
-        ("adapter_model.safetensors", weights_of(1)[:1000], AdapterRejected,
-         r"^adapter_model.safetensors: size 1000 != manifest 4096 \(truncated or still uploading\?\)$"),
-        ("adapter_model.safetensors", bytes([weights_of(1)[0] ^ 1]) + weights_of(1)[1:], AdapterRejected,
-         r"^adapter_model.safetensors: sha256 \w+… != manifest \w+… \(corrupted or overwritten\?\)$"),
-        ("adapter_config.json", None, AdapterRejected, r"^adapter_config.json: listed in the manifest but missing$"),
-        ("manifest.json", None, AdapterNotFound, r"^policy-v1: no manifest.json (in|at) "),
-        ("manifest.json", b'{"version": 1,', AdapterRejected, r"^policy-v1/manifest.json: not valid JSON"),
-    ],
-    ids=["truncated", "flipped-byte", "file-missing", "manifest-missing", "manifest-garbled"],
-)  # fmt: skip
-def test_tampered_version_is_refused_with_its_own_message(bucket, tmp_path, name, data, error, message):
-    uri = publish(bucket, 1, make_adapter(tmp_path / "src"))
-    put(bucket, uri, name, data)
-    with pytest.raises(error, match=message):
-        fetch(bucket, uri, tmp_path / "cache")
-    assert cache_entries(tmp_path / "cache") == []  # nothing (not even a temporary) left in the cache
-    if name == "manifest.json" and data is None:
-        assert bucket.list_versions(RUN, "policy") == []  # without a manifest the version does not exist
-
-
-def test_incompatible_version_is_refused(bucket, tmp_path):
-    uri = publish(bucket, 1, make_adapter(tmp_path / "src"))
-    other = base_model_fingerprint({**TINY, "hidden_size": 256})
-    with pytest.raises(AdapterRejected, match=r"^policy-v1: trained on base model 'tiny' \(fingerprint \w+…\), but "
-                       r"this replica serves a model with fingerprint \w+…$"):  # fmt: skip
-        fetch(bucket, uri, tmp_path / "cache", fingerprint=other)
-    big = publish(bucket, 2, make_adapter(tmp_path / "src16", rank=16), rank=16)
-    with pytest.raises(AdapterRejected, match=r"^policy-v2: rank 16 exceeds this replica's max LoRA rank 8$"):
-        fetch(bucket, big, tmp_path / "cache", max_rank=8)
-    assert cache_entries(tmp_path / "cache") == []  # refused before anything was downloaded
-    assert fetch(bucket, big, tmp_path / "cache", max_rank=16).name == "policy-v2"
-
-
-def test_corrupted_cache_copy_is_fetched_again(s3_bucket, tmp_path):
-    uri = publish(s3_bucket, 1, make_adapter(tmp_path / "src"))
-    local = fetch(s3_bucket, uri, tmp_path / "cache")
-    (local / "adapter_model.safetensors").write_bytes(b"garbage")
-    again = fetch(s3_bucket, uri, tmp_path / "cache")
-    assert again == local
-    assert (again / "adapter_model.safetensors").read_bytes() == weights_of(1)
-
-
-def test_paths_outside_the_bucket_are_refused(fs_bucket, tmp_path):
-    src = make_adapter(tmp_path / "src")
-    uri = Path(publish(fs_bucket, 1, src))
-    adapters = uri.parent
-    elsewhere = Bucket(str(tmp_path / "elsewhere"))
-    outside = Path(publish(elsewhere, 1, src))  # a complete, valid version, but in another directory
-
-    def refused(path, message):
-        with pytest.raises(AdapterRejected, match=message):
-            fetch(fs_bucket, str(path), tmp_path / "cache")
-
-    refused(f"{adapters}/../adapters/policy-v1", r"'\.\.' in an adapter path is refused")
-    refused(outside, r"resolves to .*elsewhere.*, outside the bucket root")
-    (adapters / "policy-v2").symlink_to(outside, target_is_directory=True)  # a link out of the bucket
-    refused(adapters / "policy-v2", r"policy-v2: resolves to .*elsewhere.*, outside the bucket root")
-    (adapters.parent / "linked").symlink_to(outside.parent, target_is_directory=True)
-    refused(adapters.parent / "linked" / "policy-v1", r"outside the bucket root")
-
-    # A version inside the bucket whose weights file links out (same bytes, so the hash would pass).
-    inside = adapters / "policy-v3"
-    shutil.copytree(uri, inside)
-    (inside / "manifest.json").write_text((uri / "manifest.json").read_text().replace("policy-v1", "policy-v3")
-                                          .replace('"version": 1', '"version": 3'))  # fmt: skip
-    (inside / "adapter_model.safetensors").unlink()
-    (inside / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
-    refused(inside, r"^adapter_model.safetensors: resolves to .*elsewhere.*, outside the bucket root")
-
-    # A link inside the bucket that renames a version: served under the new name, it would be a reused name.
-    (adapters / "policy-v4").symlink_to(uri, target_is_directory=True)
-    refused(adapters / "policy-v4", r"^policy-v4: manifest describes 'policy-v1'")
-    refused(adapters.parent, r"not a version directory")
-    assert fetch(fs_bucket, str(uri), tmp_path / "cache") == uri.resolve()
-
-
-def test_s3_uris_outside_the_bucket_are_refused(s3_bucket, tmp_path):
-    uri = publish(s3_bucket, 1, make_adapter(tmp_path / "src"))
-    root = s3_bucket.uri
-
-    def refused(version_uri, message):
-        with pytest.raises(AdapterRejected, match=message):
-            fetch(s3_bucket, version_uri, tmp_path / "cache")
-
-    refused(f"{root}/{RUN}/adapters/../adapters/policy-v1", r"'\.\.' path segments are refused")
-    refused(f"{root}/{RUN}/adapters//policy-v1", r"empty, '\.' or '\.\.' path segments")
-    refused(f"s3://{S3_BUCKET}/other/{RUN}/adapters/policy-v1", r"outside the bucket root")
-    refused(f"{root}-x/{RUN}/adapters/policy-v1", r"outside the bucket root")
-    refused(uri.removeprefix("s3://"), r"not an s3:// URI")
-    refused(f"{root}/{RUN}/policy-v1", r"not a version directory")
-    assert cache_entries(tmp_path / "cache") == []
-
-
-def files_in(reading: Bucket, uri: str) -> set[str]:
-    """What a version or checkpoint directory holds right now. Checked the moment it is listed: a fetch
-    reads files in the writer's order at about its speed, which would hide a manifest written early."""
-    if reading.is_remote:
-        return {key.rsplit("/", 1)[1] for key in reading.s3.find(uri.removeprefix("s3://"))}
-    return set(os.listdir(uri))
-
-
-def test_reader_never_sees_a_partial_version(bucket, tmp_path):
-    """A reader polling while 200 versions are published only ever gets complete, matching versions."""
-    n = 200
-    src = make_adapter(tmp_path / "src")
-    writer_done = threading.Event()
-    seen: list[int] = []
-    not_found = 0
-    errors: list[BaseException] = []
-
-    def read(reading: Bucket, version: int) -> None:
-        local = fetch(reading, reading.adapter_uri(RUN, "policy", version), tmp_path / "cache")
-        assert (local / "adapter_model.safetensors").read_bytes() == weights_of(version), version
-        seen.append(version)
-
-    def reader():
-        nonlocal not_found
-        reading = Bucket(bucket.uri, bucket.s3_endpoint_url, **FAST_RETRY)  # its own client, like a replica
-        try:
-            while True:
-                last_round = writer_done.is_set()
-                latest = seen[-1] if seen else 0
-                listed = [v for v in reading.list_versions(RUN, "policy") if v > latest]
-                if listed:  # listed means complete: every file there at once, and it must verify
-                    uri = reading.adapter_uri(RUN, "policy", listed[-1])
-                    assert files_in(reading, uri) >= {*os.listdir(src), "manifest.json"}, listed[-1]
-                    read(reading, listed[-1])
-                try:  # the one probably being written right now: complete, or not there at all
-                    read(reading, max(listed, default=latest) + 1)
-                except AdapterNotFound:
-                    not_found += 1
-                if last_round:
-                    return
-        except BaseException as e:
-            errors.append(e)
-
-    thread = threading.Thread(target=reader)
-    thread.start()
-    started = time.monotonic()
-    try:
-        for v in range(1, n + 1):
-            (src / "adapter_model.safetensors").write_bytes(weights_of(v))
-            publish(bucket, v, src)
-    finally:
-        writer_done.set()
-        thread.join(60)
-    print(
-        f"{n} versions in {time.monotonic() - started:.1f}s; reader verified {len(seen)}, not found {not_found}"
-    )
-    assert not errors, errors[0]
-    assert bucket.list_versions(RUN, "policy") == list(range(1, n + 1))
-    assert seen[-1] == n and len(seen) >= 10, seen  # the reader really ran alongside the writer
-
-
-def test_unreachable_bucket_fails_fast_and_clearly(tmp_path):
-    closed = f"http://127.0.0.1:{free_port()}"
-    down = Bucket(f"s3://{S3_BUCKET}/x", closed, attempts=3, retry_base_delay_s=0.01, s3_timeout_s=2)
-    started = time.monotonic()
-    with pytest.raises(BucketUnavailable, match=rf"^bucket s3://{S3_BUCKET}/x unreachable: list .* failed 3 times "
-                       r"in [\d.]+s; last error: \w+"):  # fmt: skip
-        down.list_versions(RUN, "policy")
-    with pytest.raises(BucketUnavailable, match=r"unreachable: check .*manifest.json failed 3 times"):
-        publish(down, 1, make_adapter(tmp_path / "src"))
-    with pytest.raises(
-        BucketUnavailable, match=r"unreachable: read .*policy-v1/manifest.json failed 3 times"
-    ):
-        fetch(down, down.adapter_uri(RUN, "policy", 1), tmp_path / "cache")
-    assert time.monotonic() - started < 10
-    assert cache_entries(tmp_path / "cache") == []
-
-
-def test_failed_publication_leaves_nothing_a_reader_could_take(bucket, tmp_path, monkeypatch):
-    src = make_adapter(tmp_path / "src")
-    publish(bucket, 1, src)
-    failures = []
-
-    def flaky(*args, **kwargs):  # the bucket stops answering just before the commit
-        failures.append(args)
-        raise ConnectionError("connection reset by peer")
-
-    if bucket.is_remote:
-        real_pipe = bucket.s3.pipe_file
-        monkeypatch.setattr(bucket.s3, "pipe_file", lambda path, data, **kw: (flaky if path.endswith(
-            "manifest.json") else real_pipe)(path, data, **kw))  # fmt: skip
-    else:
-        real_write = bucket_module._write_synced
-        monkeypatch.setattr(bucket_module, "_write_synced", lambda path, data: (flaky if path.name == (
-            "manifest.json") else real_write)(path, data))  # fmt: skip
-    with pytest.raises(BucketUnavailable, match=r"unreachable: (commit|publish) .*policy-v2.* failed 3 times.*"
-                       r"ConnectionError: connection reset by peer"):  # fmt: skip
-        publish(bucket, 2, src)
-    assert len(failures) == 3
-    monkeypatch.undo()
-    assert bucket.list_versions(RUN, "policy") == [1]
-    with pytest.raises(AdapterNotFound):
-        fetch(bucket, bucket.adapter_uri(RUN, "policy", 2), tmp_path / "cache")
-    if bucket.is_remote:  # the uploaded files were removed too
-        assert bucket.s3.find(bucket.adapter_uri(RUN, "policy", 2).removeprefix("s3://")) == []
-    else:  # no temporary directory left behind
-        assert os.listdir(Path(bucket.run_uri(RUN)) / "adapters") == ["policy-v1"]
-    publish(bucket, 2, src)  # the name was never published, so it is free
-    assert bucket.list_versions(RUN, "policy") == [1, 2]
-
-
-def test_retention_deletes_old_versions_but_keeps_protected_ones(bucket, tmp_path):
-    src = make_adapter(tmp_path / "src")
-    for v in range(1, 11):
-        publish(bucket, v, src)
-    publish(bucket, 1, src, name="value")  # another adapter of the run is not touched
-    deleted = bucket.apply_retention(RUN, "policy", live_window=3, keep_every=4, protected={2})
-    assert deleted == [1, 3, 5, 6, 7]
-    assert bucket.list_versions(RUN, "policy") == [2, 4, 8, 9, 10]
-    assert bucket.list_versions(RUN, "value") == [1]
-    for v in deleted:  # gone entirely, not only their manifests
-        path = bucket.adapter_uri(RUN, "policy", v)
-        if bucket.is_remote:
-            assert bucket.s3.find(path.removeprefix("s3://")) == []
-        else:
-            assert not Path(path).exists()
-    assert bucket.apply_retention(RUN, "policy", live_window=3, keep_every=4, protected={2}) == []
-    assert bucket.apply_retention(RUN, "policy", live_window=1, keep_every=0, protected=set()) == [2, 4, 8, 9]
-
-
-def test_cache_retention(s3_bucket, tmp_path):
-    src = make_adapter(tmp_path / "src")
-    cache = tmp_path / "cache"
-    for v in range(1, 7):
-        fetch(s3_bucket, publish(s3_bucket, v, src), cache)
-    (cache / RUN / ".policy-v7.tmp-abcd").mkdir()  # a download in progress is not a version
-    deleted = apply_cache_retention(cache, RUN, "policy", live_window=2, keep_every=2, protected={1})
-    assert deleted == [3]
-    assert cache_entries(cache) == [".policy-v7.tmp-abcd", "policy-v1", "policy-v2", "policy-v4", "policy-v5",
-                                    "policy-v6"]  # fmt: skip
-    assert (
-        apply_cache_retention(cache / "missing", RUN, "policy", live_window=1, keep_every=0, protected=())
-        == []
-    )
-
-
-def test_bucket_survives_pickling(s3_bucket, tmp_path):
-    """Buckets travel to Ray actors; each copy makes its own S3 client."""
-    publish(s3_bucket, 1, make_adapter(tmp_path / "src"))
-    copy = pickle.loads(pickle.dumps(s3_bucket))
-    assert copy.list_versions(RUN, "policy") == [1]
-    assert copy.s3 is not s3_bucket.s3
-
-
-# -------------------------------------------------------------------- checkpoints
 
 
 def make_checkpoint(directory: Path, step: int, extra: bool = False) -> Path:
@@ -406,12 +96,93 @@ def make_checkpoint(directory: Path, step: int, extra: bool = False) -> Path:
     return directory
 
 
+def publish(bucket: Bucket, version: int, src: Path, rank: int = 1, name: str = "policy") -> str:
+    return bucket.publish_adapter(RUN, name, version, src, base_model="tiny", base_fingerprint=FP, rank=rank,
+                                  alpha=2.0 * rank, target_modules=["q_proj"], trainer_step=10 * version)  # fmt: skip
+
+
 def publish_checkpoint(bucket: Bucket, step: int, src: Path) -> str:
     return bucket.publish_checkpoint(RUN, step, src, base_model="tiny", base_fingerprint=FP)
 
 
-def checkpoint_cache(cache: Path) -> list[str]:
-    return sorted(os.listdir(cache / RUN / "checkpoints")) if (cache / RUN / "checkpoints").exists() else []
+def fetch(bucket: Bucket, uri: str, cache: Path, fingerprint: str = FP, max_rank: int = 8) -> Path:
+    return bucket.fetch_verified(uri, cache_dir=cache, base_fingerprint=fingerprint, max_lora_rank=max_rank)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How these tests make, publish, list and fetch one kind of published directory."""
+
+    subdir: str
+    noun: str  # as messages name it
+    article: str
+    dir_name: Callable[[int], str]
+    make: Callable[[Path, int], Path]  # a source directory whose contents derive from N
+    publish: Callable[[Bucket, int, Path], str]
+    uri: Callable[[Bucket, int], str]
+    listed: Callable[[Bucket], list[int]]
+    fetch: Callable[[Bucket, str, Path], Path]
+
+
+ADAPTERS = Kind("adapters", "version", "an adapter", lambda n: f"policy-v{n}", make_adapter, publish,
+                lambda b, n: b.adapter_uri(RUN, "policy", n), lambda b: b.list_versions(RUN, "policy"), fetch)  # fmt: skip
+CHECKPOINTS = Kind("checkpoints", "checkpoint", "a checkpoint", lambda n: f"step-{n}", make_checkpoint,
+                   publish_checkpoint, lambda b, n: b.checkpoint_uri(RUN, n), lambda b: b.list_checkpoints(RUN),
+                   lambda b, uri, cache: b.fetch_checkpoint(uri, cache_dir=cache))  # fmt: skip
+
+
+@pytest.fixture(params=[ADAPTERS, CHECKPOINTS], ids=["adapter", "checkpoint"])
+def kind(request):
+    return request.param
+
+
+def put(bucket: Bucket, uri: str, name: str, data: bytes | None) -> None:
+    """Change a file of a published directory behind the protocol's back (None deletes it)."""
+    if bucket.is_remote:
+        path = f"{uri.removeprefix('s3://')}/{name}"
+        bucket.store.fs.rm_file(path) if data is None else bucket.store.fs.pipe_file(path, data)
+    else:
+        path = Path(uri) / name
+        path.unlink() if data is None else path.write_bytes(data)
+
+
+def files_in(reading: Bucket, uri: str) -> set[str]:
+    """What a published directory holds right now, straight from the medium."""
+    if reading.is_remote:
+        return {key.rsplit("/", 1)[1] for key in reading.store.fs.find(uri.removeprefix("s3://"))}
+    return set(os.listdir(uri)) if os.path.isdir(uri) else set()
+
+
+def cached(cache: Path, subdir: str = "adapters") -> list[str]:
+    """What a local cache holds of the run's adapters (or checkpoints), temporaries included."""
+    return sorted(os.listdir(cache / RUN / subdir)) if (cache / RUN / subdir).exists() else []
+
+
+def test_publish_and_fetch_round_trip(bucket, tmp_path):
+    src = make_adapter(tmp_path / "src", version=1)
+    uri = publish(bucket, 1, src)
+    assert uri == bucket.adapter_uri(RUN, "policy", 1)
+    assert uri.endswith(f"{RUN}/adapters/policy-v1")
+    assert bucket.list_versions(RUN, "policy") == [1]
+    assert bucket.list_versions(RUN, "other") == []
+    assert bucket.list_versions("no-such-run", "policy") == []
+
+    local = fetch(bucket, uri, tmp_path / "cache")
+    assert (local / "adapter_model.safetensors").read_bytes() == weights_of(1)
+    assert (local / "adapter_config.json").read_bytes() == (src / "adapter_config.json").read_bytes()
+    if bucket.is_remote:  # the cache has the bucket's layout
+        assert local == (tmp_path / "cache" / RUN / "adapters" / "policy-v1").resolve()
+        assert fetch(bucket, uri, tmp_path / "cache") == local  # second time from the verified cache
+    else:
+        assert local == Path(uri).resolve()
+        assert not (tmp_path / "cache").exists()  # verified in place, nothing copied
+        assert [p.name for p in Path(uri).parent.iterdir()] == ["policy-v1"]  # no temporaries left
+    manifest = json.loads((local / "manifest.json").read_text())
+    assert manifest["version"] == 1 and manifest["trainer_step"] == 10 and manifest["rank"] == 1
+    assert manifest["files"]["adapter_model.safetensors"]["size"] == 4096
+
+    with pytest.raises(FileExistsError, match="already published; adapter names are never reused"):
+        publish(bucket, 1, src)
 
 
 def test_checkpoint_round_trip(bucket, tmp_path):
@@ -434,7 +205,7 @@ def test_checkpoint_round_trip(bucket, tmp_path):
         set(manifest["files"]) == set(os.listdir(src)) and manifest["files"]["optimizer.pt"]["size"] == 4096
     )
     if bucket.is_remote:
-        assert local == (cache / RUN / "checkpoints" / "step-5").absolute()
+        assert local == (cache / RUN / "checkpoints" / "step-5").resolve()
         assert bucket.fetch_checkpoint(uri, cache_dir=cache) == local  # again, from the verified cache
     else:
         assert local == Path(uri).resolve()
@@ -461,117 +232,167 @@ def test_checkpoint_round_trip(bucket, tmp_path):
         bucket.fetch_checkpoint(adapter, cache_dir=cache)
 
 
-def test_checkpoint_source_must_be_a_flat_trainer_checkpoint(fs_bucket, tmp_path):
-    src = make_checkpoint(tmp_path / "src", 1)
-    (src / "global_step1").mkdir()
-    with pytest.raises(ValueError, match=r"only plain files can be published, found \['global_step1'\]"):
-        publish_checkpoint(fs_bucket, 1, src)
-    (src / "global_step1").rmdir()
-    (src / "trainer_state.json").unlink()
-    with pytest.raises(ValueError, match="lacks trainer_state.json; is it a HF Trainer checkpoint directory"):
-        publish_checkpoint(fs_bucket, 1, src)
-    with pytest.raises(ValueError, match=r"step=-1 must be an int >= 0"):
-        publish_checkpoint(fs_bucket, -1, make_checkpoint(tmp_path / "ok", 1))
-    assert fs_bucket.list_checkpoints(RUN) == []
-    assert not (Path(fs_bucket.run_uri(RUN)) / "checkpoints").exists() or not os.listdir(
-        Path(fs_bucket.run_uri(RUN)) / "checkpoints"
-    )
+def test_run_files_are_written_whole(bucket):
+    uri = bucket.write_text(RUN, "config.resolved.json", '{"a": 1}')
+    bucket.write_text(RUN, "config.resolved.json", '{"a": 2}')
+    bucket.write_bytes(RUN, "plots/curves.png", b"\x89PNG")
+    assert uri == f"{bucket.run_uri(RUN)}/config.resolved.json"
+    assert bucket.read_text(RUN, "config.resolved.json") == '{"a": 2}'
+    assert bucket.read_bytes(RUN, "plots/curves.png") == b"\x89PNG"
+    if not bucket.is_remote:
+        assert sorted(os.listdir(bucket.run_uri(RUN))) == ["config.resolved.json", "plots"]
+    with pytest.raises(FileNotFoundError):
+        bucket.read_text(RUN, "missing.json")
+    with pytest.raises(ValueError, match="without '..'"):
+        bucket.write_text(RUN, "../escape.json", "{}")
+    with pytest.raises(ValueError, match="plain name"):
+        bucket.write_text("../up", "x.json", "{}")
 
 
 @pytest.mark.parametrize(
-    "name, data, error, message",
+    "kind, name, data, error, message",
     [
-        ("optimizer.pt", weights_of(10_005, 4096)[:1000], AdapterRejected,
+        (ADAPTERS, "adapter_model.safetensors", weights_of(5)[:1000], AdapterRejected,
+         r"^adapter_model.safetensors: size 1000 != manifest 4096 \(truncated or still uploading\?\)$"),
+        (ADAPTERS, "adapter_model.safetensors", flipped(weights_of(5)), AdapterRejected,
+         r"^adapter_model.safetensors: sha256 \w+… != manifest \w+… \(corrupted or overwritten\?\)$"),
+        (ADAPTERS, "adapter_config.json", None, AdapterRejected,
+         r"^adapter_config.json: listed in the manifest but missing$"),
+        (ADAPTERS, "manifest.json", None, AdapterNotFound, r"^policy-v5: no manifest.json at "),
+        (ADAPTERS, "manifest.json", b'{"version": 5,', AdapterRejected, r"^policy-v5/manifest.json: not valid JSON"),
+        (CHECKPOINTS, "optimizer.pt", weights_of(10_005, 4096)[:1000], AdapterRejected,
          r"^optimizer.pt: size 1000 != manifest 4096 \(truncated or still uploading\?\)$"),
-        ("scheduler.pt", bytes([weights_of(20_005, 100)[0] ^ 1]) + weights_of(20_005, 100)[1:], AdapterRejected,
+        (CHECKPOINTS, "scheduler.pt", flipped(weights_of(20_005, 100)), AdapterRejected,
          r"^scheduler.pt: sha256 \w+… != manifest \w+… \(corrupted or overwritten\?\)$"),
-        ("rng_state.pth", None, AdapterRejected, r"^rng_state.pth: listed in the manifest but missing$"),
-        ("manifest.json", None, AdapterNotFound, r"^step-5: no manifest.json (in|at) "),
+        (CHECKPOINTS, "rng_state.pth", None, AdapterRejected, r"^rng_state.pth: listed in the manifest but missing$"),
+        (CHECKPOINTS, "manifest.json", None, AdapterNotFound, r"^step-5: no manifest.json at "),
+        (CHECKPOINTS, "manifest.json", b'{"step": 5,', AdapterRejected, r"^step-5/manifest.json: not valid JSON"),
     ],
-    ids=["truncated", "flipped-byte", "file-missing", "manifest-missing"],
+    ids=["adapter-truncated", "adapter-flipped-byte", "adapter-file-missing", "adapter-manifest-missing",
+         "adapter-manifest-garbled", "checkpoint-truncated", "checkpoint-flipped-byte", "checkpoint-file-missing",
+         "checkpoint-manifest-missing", "checkpoint-manifest-garbled"],
 )  # fmt: skip
-def test_tampered_checkpoint_is_refused_naming_the_file(bucket, tmp_path, name, data, error, message):
-    uri = publish_checkpoint(bucket, 5, make_checkpoint(tmp_path / "src", 5))
+def test_tampered_directory_is_refused_with_its_own_message(
+    bucket, tmp_path, kind, name, data, error, message
+):
+    uri = kind.publish(bucket, 5, kind.make(tmp_path / "src", 5))
     put(bucket, uri, name, data)
     with pytest.raises(error, match=message):
-        bucket.fetch_checkpoint(uri, cache_dir=tmp_path / "cache")
-    assert checkpoint_cache(tmp_path / "cache") == []  # nothing, not even a temporary, left in the cache
-    if name == "manifest.json":
-        assert bucket.list_checkpoints(RUN) == []  # without a manifest the checkpoint does not exist
+        kind.fetch(bucket, uri, tmp_path / "cache")
+    assert cached(tmp_path / "cache", kind.subdir) == []  # nothing (not even a temporary) left in the cache
+    if name == "manifest.json" and data is None:
+        assert kind.listed(bucket) == []  # without a manifest the directory does not exist
 
 
-def test_checkpoint_paths_outside_the_bucket_are_refused(fs_bucket, tmp_path):
-    uri = Path(publish_checkpoint(fs_bucket, 1, make_checkpoint(tmp_path / "src", 1)))
+def test_incompatible_version_is_refused(bucket, tmp_path):
+    uri = publish(bucket, 1, make_adapter(tmp_path / "src"))
+    other = base_model_fingerprint({**TINY, "hidden_size": 256})
+    with pytest.raises(AdapterRejected, match=r"^policy-v1: trained on base model 'tiny' \(fingerprint \w+…\), but "
+                       r"this replica serves a model with fingerprint \w+…$"):  # fmt: skip
+        fetch(bucket, uri, tmp_path / "cache", fingerprint=other)
+    big = publish(bucket, 2, make_adapter(tmp_path / "src16", rank=16), rank=16)
+    with pytest.raises(AdapterRejected, match=r"^policy-v2: rank 16 exceeds this replica's max LoRA rank 8$"):
+        fetch(bucket, big, tmp_path / "cache", max_rank=8)
+    assert cached(tmp_path / "cache") == []  # refused before anything was downloaded
+    assert fetch(bucket, big, tmp_path / "cache", max_rank=16).name == "policy-v2"
+
+
+def test_corrupted_cache_copy_is_fetched_again(s3_bucket, kind, tmp_path):
+    uri = kind.publish(s3_bucket, 1, kind.make(tmp_path / "src", 1))
+    local = kind.fetch(s3_bucket, uri, tmp_path / "cache")
+    (local / "adapter_model.safetensors").write_bytes(b"garbage")
+    again = kind.fetch(s3_bucket, uri, tmp_path / "cache")
+    assert again == local
+    assert (again / "adapter_model.safetensors").read_bytes() == (tmp_path / "src" / "adapter_model.safetensors").read_bytes()  # fmt: skip
+
+
+def test_paths_outside_the_bucket_are_refused(fs_bucket, kind, tmp_path):
+    uri = Path(kind.publish(fs_bucket, 1, kind.make(tmp_path / "s1", 1)))
+    parent = uri.parent
+    elsewhere = Bucket(str(tmp_path / "elsewhere"))
     outside = Path(
-        publish_checkpoint(Bucket(str(tmp_path / "elsewhere")), 2, make_checkpoint(tmp_path / "s2", 2))
-    )
+        kind.publish(elsewhere, 2, kind.make(tmp_path / "s2", 2))
+    )  # complete and valid, but elsewhere
 
     def refused(path, message):
         with pytest.raises(AdapterRejected, match=message):
-            fs_bucket.fetch_checkpoint(str(path), cache_dir=tmp_path / "cache")
+            kind.fetch(fs_bucket, str(path), tmp_path / "cache")
 
-    refused(f"{uri.parent}/../checkpoints/step-1", r"'\.\.' in a checkpoint path is refused")
+    refused(f"{parent}/../{kind.subdir}/{uri.name}", rf"'\.\.' in {kind.article} path is refused")
     refused(outside, r"resolves to .*elsewhere.*, outside the bucket root")
-    (uri.parent / "step-2").symlink_to(outside, target_is_directory=True)
-    refused(uri.parent / "step-2", r"resolves to .*elsewhere.*, outside the bucket root")
-    (uri.parent / "step-3").symlink_to(uri, target_is_directory=True)  # a renamed step inside the bucket
-    refused(uri.parent / "step-3", r"^step-3: manifest describes 'step-1' \(copied or renamed checkpoint")
-    assert fs_bucket.list_checkpoints(RUN) == [
-        1,
-        2,
-        3,
-    ]  # the links are listed (as for adapters), not fetchable
-    assert fs_bucket.fetch_checkpoint(str(uri), cache_dir=tmp_path / "cache") == uri.resolve()
+    (parent / outside.name).symlink_to(outside, target_is_directory=True)  # a link out of the bucket
+    refused(parent / outside.name, rf"{outside.name}: resolves to .*elsewhere.*, outside the bucket root")
+    (parent.parent.parent / "linked").symlink_to(
+        outside.parent.parent, target_is_directory=True
+    )  # a run, linked
+    refused(parent.parent.parent / "linked" / kind.subdir / outside.name, r"outside the bucket root")
+
+    # A directory inside the bucket whose weights file links out (same bytes, so the hash would pass).
+    src = kind.make(tmp_path / "s3", 3)
+    inside, twin = Path(kind.publish(fs_bucket, 3, src)), Path(kind.publish(elsewhere, 3, src))
+    (inside / "adapter_model.safetensors").unlink()
+    (inside / "adapter_model.safetensors").symlink_to(twin / "adapter_model.safetensors")
+    refused(inside, r"^adapter_model.safetensors: resolves to .*elsewhere.*, outside the bucket root")
+
+    # A link inside the bucket that renames a directory: served under the new name, it would be a reused name.
+    renamed = parent / kind.dir_name(4)
+    renamed.symlink_to(uri, target_is_directory=True)
+    refused(
+        renamed,
+        rf"^{renamed.name}: manifest describes '{uri.name}' \(copied or renamed {kind.noun} directory",
+    )
+    refused(parent.parent, rf"not a {kind.noun} directory")
+    assert kind.listed(fs_bucket) == [1, 2, 3, 4]  # links are listed; a fetch is where they are refused
+    assert kind.fetch(fs_bucket, str(uri), tmp_path / "cache") == uri.resolve()
 
 
-def test_checkpoint_retention_keeps_the_newest(bucket, tmp_path):
-    for step in (10, 20, 30, 40, 50):
-        publish_checkpoint(bucket, step, make_checkpoint(tmp_path / f"checkpoint-{step}", step))
-    publish(bucket, 1, make_adapter(tmp_path / "adapter"))  # adapters are not touched
-    with pytest.raises(ValueError, match="keep_last=0 must be an int >= 1"):
-        bucket.apply_checkpoint_retention(RUN, keep_last=0)
-    assert bucket.apply_checkpoint_retention(RUN, keep_last=2) == [10, 20, 30]
-    assert bucket.list_checkpoints(RUN) == [40, 50]
-    assert bucket.list_versions(RUN, "policy") == [1]
-    for step in (10, 20, 30):  # gone entirely, not only their manifests
-        path = bucket.checkpoint_uri(RUN, step)
-        if bucket.is_remote:
-            assert bucket.s3.find(path.removeprefix("s3://")) == []
-        else:
-            assert not Path(path).exists()
-    assert bucket.apply_checkpoint_retention(RUN, keep_last=2) == []
-    assert bucket.apply_checkpoint_retention(RUN, keep_last=1) == [40]
-    local = bucket.fetch_checkpoint(bucket.checkpoint_uri(RUN, 50), cache_dir=tmp_path / "cache")
-    assert (local / "trainer_state.json").read_text() == '{"global_step": 50}'
+def test_s3_uris_outside_the_bucket_are_refused(s3_bucket, tmp_path):
+    uri = publish(s3_bucket, 1, make_adapter(tmp_path / "src"))
+    root = s3_bucket.uri
+
+    def refused(version_uri, message):
+        with pytest.raises(AdapterRejected, match=message):
+            fetch(s3_bucket, version_uri, tmp_path / "cache")
+
+    refused(f"{root}/{RUN}/adapters/../adapters/policy-v1", r"'\.\.' path segments are refused")
+    refused(f"{root}/{RUN}/adapters//policy-v1", r"empty, '\.' or '\.\.' path segments")
+    refused(f"s3://{S3_BUCKET}/other/{RUN}/adapters/policy-v1", r"outside the bucket root")
+    refused(f"{root}-x/{RUN}/adapters/policy-v1", r"outside the bucket root")
+    refused(uri.removeprefix("s3://"), r"not an s3:// URI")
+    refused(f"{root}/{RUN}/policy-v1", r"not a version directory")
+    assert cached(tmp_path / "cache") == []
 
 
-def test_reader_never_sees_a_partial_checkpoint(bucket, tmp_path):
-    """A reader polling while 30 checkpoints are published only ever gets complete, matching ones."""
-    n = 30
+def test_reader_never_sees_a_partial_directory(bucket, kind, tmp_path):
+    """A reader polling while directories are published only ever gets complete, matching ones. What a
+    listed directory holds is checked the moment it is listed: a fetch reads files in the writer's order
+    at about its speed, which would hide a manifest written early."""
+    n = 200 if kind is ADAPTERS else 30  # checkpoints have more files, so fewer of them keep the test short
     writer_done = threading.Event()
     seen: list[int] = []
     not_found = 0
     errors: list[BaseException] = []
 
-    expected_files = {*os.listdir(make_checkpoint(tmp_path / "expected" / "0", 0)), "manifest.json"}
+    def source(i: int) -> Path:
+        return tmp_path / "src" / str(i)
 
-    def read(reading: Bucket, step: int) -> None:
-        local = reading.fetch_checkpoint(reading.checkpoint_uri(RUN, step), cache_dir=tmp_path / "cache")
-        expected = make_checkpoint(tmp_path / "expected" / str(step), step)
-        for name in os.listdir(expected):
-            assert (local / name).read_bytes() == (expected / name).read_bytes(), (step, name)
-        seen.append(step)
+    def read(reading: Bucket, i: int) -> None:
+        local = kind.fetch(reading, kind.uri(reading, i), tmp_path / "cache")
+        for name in os.listdir(source(i)):
+            assert (local / name).read_bytes() == (source(i) / name).read_bytes(), (i, name)
+        seen.append(i)
 
     def reader():
         nonlocal not_found
-        reading = Bucket(bucket.uri, bucket.s3_endpoint_url, **FAST_RETRY)  # its own client, like a trainer
+        reading = Bucket(bucket.uri, bucket.s3_endpoint_url, **FAST_RETRY)  # its own client, like a replica
         try:
             while True:
                 last_round = writer_done.is_set()
                 latest = seen[-1] if seen else 0
-                listed = [s for s in reading.list_checkpoints(RUN) if s > latest]
-                if listed:  # listed means complete: every file is there at once, and it must verify
-                    assert files_in(reading, reading.checkpoint_uri(RUN, listed[-1])) >= expected_files
+                listed = [i for i in kind.listed(reading) if i > latest]
+                if listed:  # listed means complete: every file there at once, and it must verify
+                    files = files_in(reading, kind.uri(reading, listed[-1]))
+                    assert files >= {*os.listdir(source(listed[-1])), "manifest.json"}, listed[-1]
                     read(reading, listed[-1])
                 try:  # the one probably being written right now: complete, or not there at all
                     read(reading, max(listed, default=latest) + 1)
@@ -586,14 +407,144 @@ def test_reader_never_sees_a_partial_checkpoint(bucket, tmp_path):
     thread.start()
     started = time.monotonic()
     try:
-        for step in range(1, n + 1):
-            publish_checkpoint(bucket, step, make_checkpoint(tmp_path / f"checkpoint-{step}", step))
+        for i in range(1, n + 1):
+            kind.publish(bucket, i, kind.make(source(i), i))
     finally:
         writer_done.set()
         thread.join(60)
-    print(
-        f"{n} checkpoints in {time.monotonic() - started:.1f}s; reader verified {len(seen)}, not found {not_found}"
-    )
+    print(f"{n} in {time.monotonic() - started:.1f}s; reader verified {len(seen)}, not found {not_found}")
     assert not errors, errors[0]
-    assert bucket.list_checkpoints(RUN) == list(range(1, n + 1))
+    assert kind.listed(bucket) == list(range(1, n + 1))
     assert seen[-1] == n and len(seen) >= 5, seen  # the reader really ran alongside the writer
+
+
+def test_unreachable_bucket_fails_fast_and_clearly(tmp_path):
+    closed = f"http://127.0.0.1:{free_port()}"
+    down = Bucket(f"s3://{S3_BUCKET}/x", closed, attempts=3, retry_base_delay_s=0.01, s3_timeout_s=2)
+    started = time.monotonic()
+    with pytest.raises(BucketUnavailable, match=rf"^bucket s3://{S3_BUCKET}/x unreachable: list .* failed 3 times "
+                       r"in [\d.]+s; last error: \w+"):  # fmt: skip
+        down.list_versions(RUN, "policy")
+    with pytest.raises(BucketUnavailable, match=r"unreachable: check .*manifest.json failed 3 times"):
+        publish(down, 1, make_adapter(tmp_path / "src"))
+    with pytest.raises(
+        BucketUnavailable, match=r"unreachable: read .*policy-v1/manifest.json failed 3 times"
+    ):
+        fetch(down, down.adapter_uri(RUN, "policy", 1), tmp_path / "cache")
+    assert time.monotonic() - started < 10
+    assert cached(tmp_path / "cache") == []
+
+
+def test_failed_publication_leaves_nothing_a_reader_could_take(bucket, kind, tmp_path, monkeypatch):
+    kind.publish(bucket, 1, kind.make(tmp_path / "s1", 1))
+    src = kind.make(tmp_path / "s2", 2)
+    failures = []
+
+    def flaky(*args, **kwargs):  # the bucket stops answering just before the commit
+        failures.append(args)
+        raise ConnectionError("connection reset by peer")
+
+    if bucket.is_remote:
+        real_pipe = bucket.store.fs.pipe_file
+        monkeypatch.setattr(bucket.store.fs, "pipe_file", lambda path, data, **kw: (flaky if path.endswith(
+            "manifest.json") else real_pipe)(path, data, **kw))  # fmt: skip
+    else:
+        real_write = directory.write_synced
+        monkeypatch.setattr(directory, "write_synced", lambda path, data: (flaky if path.name == (
+            "manifest.json") else real_write)(path, data))  # fmt: skip
+    with pytest.raises(BucketUnavailable, match=rf"unreachable: (commit|publish) .*{kind.dir_name(2)}.* failed 3 "
+                       r"times.*ConnectionError: connection reset by peer"):  # fmt: skip
+        kind.publish(bucket, 2, src)
+    assert len(failures) == 3
+    monkeypatch.undo()
+    assert kind.listed(bucket) == [1]
+    with pytest.raises(AdapterNotFound):
+        kind.fetch(bucket, kind.uri(bucket, 2), tmp_path / "cache")
+    assert files_in(bucket, kind.uri(bucket, 2)) == set()  # the uploaded files were removed too
+    if not bucket.is_remote:  # no temporary directory left behind
+        assert os.listdir(Path(bucket.run_uri(RUN)) / kind.subdir) == [kind.dir_name(1)]
+    kind.publish(bucket, 2, src)  # the name was never published, so it is free
+    assert kind.listed(bucket) == [1, 2]
+
+
+def assert_gone(bucket: Bucket, uri: str) -> None:
+    """Deleted entirely, not only its manifest."""
+    assert files_in(bucket, uri) == set()
+    assert bucket.is_remote or not Path(uri).exists()
+
+
+def test_retention_deletes_old_versions_but_keeps_protected_ones(bucket, tmp_path):
+    src = make_adapter(tmp_path / "src")
+    for v in range(1, 11):
+        publish(bucket, v, src)
+    publish(bucket, 1, src, name="value")  # another adapter of the run is not touched
+    deleted = bucket.apply_retention(RUN, "policy", live_window=3, keep_every=4, protected={2})
+    assert deleted == [1, 3, 5, 6, 7]
+    assert bucket.list_versions(RUN, "policy") == [2, 4, 8, 9, 10]
+    assert bucket.list_versions(RUN, "value") == [1]
+    for v in deleted:
+        assert_gone(bucket, bucket.adapter_uri(RUN, "policy", v))
+    assert bucket.apply_retention(RUN, "policy", live_window=3, keep_every=4, protected={2}) == []
+    assert bucket.apply_retention(RUN, "policy", live_window=1, keep_every=0, protected=set()) == [2, 4, 8, 9]
+
+
+def test_checkpoint_retention_keeps_the_newest(bucket, tmp_path):
+    for step in (10, 20, 30, 40, 50):
+        publish_checkpoint(bucket, step, make_checkpoint(tmp_path / f"checkpoint-{step}", step))
+    publish(bucket, 1, make_adapter(tmp_path / "adapter"))  # adapters are not touched
+    with pytest.raises(ValueError, match="keep_last=0 must be an int >= 1"):
+        bucket.apply_checkpoint_retention(RUN, keep_last=0)
+    assert bucket.apply_checkpoint_retention(RUN, keep_last=2) == [10, 20, 30]
+    assert bucket.list_checkpoints(RUN) == [40, 50]
+    assert bucket.list_versions(RUN, "policy") == [1]
+    for step in (10, 20, 30):
+        assert_gone(bucket, bucket.checkpoint_uri(RUN, step))
+    assert bucket.apply_checkpoint_retention(RUN, keep_last=2) == []
+    assert bucket.apply_checkpoint_retention(RUN, keep_last=1) == [40]
+    local = bucket.fetch_checkpoint(bucket.checkpoint_uri(RUN, 50), cache_dir=tmp_path / "cache")
+    assert (local / "trainer_state.json").read_text() == '{"global_step": 50}'
+
+
+def test_cache_retention(s3_bucket, tmp_path):
+    src = make_adapter(tmp_path / "src")
+    cache = tmp_path / "cache"
+    for v in range(1, 7):
+        fetch(s3_bucket, publish(s3_bucket, v, src), cache)
+    (cache / RUN / "adapters" / ".policy-v7.tmp-abcd").mkdir()  # a download in progress is not a version
+    deleted = apply_cache_retention(cache, RUN, "policy", live_window=2, keep_every=2, protected={1})
+    assert deleted == [3]
+    assert cached(cache) == [
+        ".policy-v7.tmp-abcd",
+        "policy-v1",
+        "policy-v2",
+        "policy-v4",
+        "policy-v5",
+        "policy-v6",
+    ]
+    assert (
+        apply_cache_retention(cache / "missing", RUN, "policy", live_window=1, keep_every=0, protected=())
+        == []
+    )
+
+
+def test_bucket_survives_pickling(s3_bucket, tmp_path):
+    """Buckets travel to Ray actors; each copy makes its own S3 client."""
+    publish(s3_bucket, 1, make_adapter(tmp_path / "src"))
+    copy = pickle.loads(pickle.dumps(s3_bucket))
+    assert copy.list_versions(RUN, "policy") == [1]
+    assert copy.store.fs is not s3_bucket.store.fs
+
+
+def test_checkpoint_source_must_be_a_flat_trainer_checkpoint(fs_bucket, tmp_path):
+    src = make_checkpoint(tmp_path / "src", 1)
+    (src / "global_step1").mkdir()
+    with pytest.raises(ValueError, match=r"only plain files can be published, found \['global_step1'\]"):
+        publish_checkpoint(fs_bucket, 1, src)
+    (src / "global_step1").rmdir()
+    (src / "trainer_state.json").unlink()
+    with pytest.raises(ValueError, match="lacks trainer_state.json; is it a HF Trainer checkpoint directory"):
+        publish_checkpoint(fs_bucket, 1, src)
+    with pytest.raises(ValueError, match=r"step=-1 must be an int >= 0"):
+        publish_checkpoint(fs_bucket, -1, make_checkpoint(tmp_path / "ok", 1))
+    assert fs_bucket.list_checkpoints(RUN) == []
+    assert not (Path(fs_bucket.run_uri(RUN)) / "checkpoints").exists()

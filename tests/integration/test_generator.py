@@ -12,6 +12,8 @@ from rl_cluster.bucket import Bucket
 from rl_cluster.errors import AdapterRejected
 from rl_cluster.generator.actor import GeneratorActor
 
+pytestmark = pytest.mark.vllm
+
 
 async def test_generator_verifies_loads_and_dies_cleanly(marked_ray, tiny_model_dir, tmp_path):
     run = "gen-test"

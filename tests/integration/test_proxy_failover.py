@@ -21,8 +21,9 @@ from test_proxy import adapter_dir, post_json, replica_models, unique, wait_unti
 
 from rl_cluster.config import ProxyConfig
 from rl_cluster.generator.server import ServerSpec, VLLMServer
+from rl_cluster.proxy.adapter_loader import HttpAdapterLoader
 from rl_cluster.proxy.forward import REPLICA_HEADER
-from rl_cluster.proxy.server import HttpReplicaControl, ProxyServer
+from rl_cluster.proxy.server import ProxyServer
 
 pytestmark = pytest.mark.vllm
 
@@ -77,7 +78,7 @@ async def proxy_over(replicas: dict[str, str], **config):
         for replica in proxy.stats()["replicas"].values():
             for name in replica["adapters_loaded"]:
                 with contextlib.suppress(Exception):
-                    await HttpReplicaControl(replica["url"]).unload_adapter(name)
+                    await HttpAdapterLoader(replica["url"]).unload_adapter(name)
         await proxy.stop()
 
 

@@ -5,10 +5,13 @@ and real vLLM CPU servers."""
 from __future__ import annotations
 
 import aiohttp
+import pytest
 from conftest import publish_lora, tiny_run_config, wait_until_no_vllm_with
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.cluster import launch
+
+pytestmark = pytest.mark.vllm
 
 
 async def test_a_generator_joins_caught_up_and_one_leaves_drained(marked_ray, tiny_model_dir, tmp_path):

@@ -23,8 +23,10 @@ def weights_fingerprint(model_dir: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return tiny.ensure_tiny_model(tmp_path_factory.mktemp("cache_a"))
+def model_dir(tiny_model_dir) -> Path:
+    """The session's copy (usually built by an earlier process and cached): one fresh build below is
+    then enough to show that builds are deterministic, across processes too."""
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +39,18 @@ def model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def test_build_is_deterministic_and_cached(model_dir, tmp_path):
+def test_build_is_deterministic_and_cached(model_dir, tmp_path, monkeypatch):
     assert model_dir.name.startswith("tiny-qwen2-add-")
-    assert tiny.ensure_tiny_model(model_dir.parent) == model_dir  # cached: no rebuild
-    assert not list(model_dir.parent.glob(".build-*"))
-    other = tiny.ensure_tiny_model(tmp_path)
+    other = tiny.ensure_tiny_model(tmp_path)  # a fresh build
     assert other.name == model_dir.name
     assert weights_fingerprint(other) == weights_fingerprint(model_dir)
+    assert [p.name for p in tmp_path.iterdir()] == [other.name]  # no .build-* leftovers
+
+    def no_rebuild(out_dir):
+        raise AssertionError("a cached model was rebuilt")
+
+    monkeypatch.setattr(tiny, "_build", no_rebuild)
+    assert tiny.ensure_tiny_model(tmp_path) == other
 
 
 def test_concurrent_callers_share_one_directory(tmp_path, monkeypatch):

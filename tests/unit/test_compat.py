@@ -1,10 +1,33 @@
-"""Each trainer workaround is needed on this machine, and the replacement is correct."""
+"""Each trainer workaround (rl_cluster/trainer/compat.py) is needed on this machine, and the replacement is
+correct: TRL's own objects (its attention function, config, trainer and rollout loop) misbehave without
+it and behave with it. No vLLM server is started; the trainer is built but never trained."""
+
+import importlib.util
+import multiprocessing as mp
+import tempfile
 
 import pytest
 import torch
 import torch.nn.functional as F
+from datasets import Dataset
+from peft import LoraConfig
+from trl.experimental.async_grpo import AsyncGRPOConfig, async_grpo_trainer, packing
+from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer, select_adapter_sync
+from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
+from trl.trainer.utils import get_peak_flops_per_device as trl_peak_flops
 
+from rl_cluster.core.rewards import arithmetic_reward
+from rl_cluster.tiny import make_prompts
 from rl_cluster.trainer import compat
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="shows what fails on a CPU-only machine")
+
+# What /server_info reports for a server started as ServerSpec starts it (--enable-lora --max-loras 6
+# --max-lora-rank 8, one data-parallel rank): TRL's own decision function then picks adapter-only sync.
+LORA_SERVER_INFO = {
+    "lora_config": {"max_lora_rank": 8, "max_loras": 6},
+    "parallel_config": {"data_parallel_size": 1},
+}
 
 
 def reference_attention(q, k, v, lengths_q, lengths_k):
@@ -23,6 +46,10 @@ def reference_attention(q, k, v, lengths_q, lengths_k):
     return torch.cat(outs)
 
 
+def cu_seqlens(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+
+
 @pytest.mark.parametrize("lengths_q,lengths_k", [([3, 5, 1], [3, 5, 1]), ([2, 4], [5, 4])])
 def test_varlen_attention_matches_reference(lengths_q, lengths_k):
     torch.manual_seed(0)
@@ -30,8 +57,7 @@ def test_varlen_attention_matches_reference(lengths_q, lengths_k):
     q = torch.randn(sum(lengths_q), heads, dim)
     k = torch.randn(sum(lengths_k), kv_heads, dim)
     v = torch.randn(sum(lengths_k), kv_heads, dim)
-    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()])
-    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()])
+    cu_q, cu_k = cu_seqlens(lengths_q), cu_seqlens(lengths_k)
     out = compat.varlen_attention(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True)
     torch.testing.assert_close(out, reference_attention(q, k, v, lengths_q, lengths_k), atol=1e-5, rtol=1e-5)
 
@@ -45,50 +71,139 @@ def test_varlen_attention_is_differentiable():
     assert q.grad is not None and k.grad.abs().sum() > 0
 
 
-def test_unpatched_trl_attention_kernel_fails_here(monkeypatch):
-    """Without the workaround TRL fetches a CUDA kernel from a hub: impossible on this machine."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from trl.experimental.async_grpo import packing
+def trl_tree_attention(lengths):
+    """Call TRL's registered attention function (`packing.tree_attention`, what every attention layer of
+    the trainer's model runs) on packed segments; returns (its output as T x H x D, the reference)."""
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 4, 2, 8
+    module = Qwen2Attention(
+        Qwen2Config(hidden_size=heads * dim, num_attention_heads=heads, num_key_value_heads=kv_heads), 0
+    )
+    total = sum(lengths)
+    q, k, v = (
+        torch.randn(1, heads, total, dim),
+        torch.randn(1, kv_heads, total, dim),
+        torch.randn(1, kv_heads, total, dim),
+    )
+    out, _ = packing.tree_attention(
+        module, q, k, v, None,
+        tree_kv_index=torch.arange(total), tree_cu_seqlens_q=cu_seqlens(lengths),
+        tree_cu_seqlens_k=cu_seqlens(lengths), tree_max_seqlen_q=max(lengths), tree_max_seqlen_k=max(lengths),
+    )  # fmt: skip
+    as_packed = [x.transpose(1, 2)[0] for x in (q, k, v)]
+    return out[0], reference_attention(*as_packed, lengths, lengths)
+
+
+@cpu_only
+def test_trl_attention_needs_the_varlen_workaround(monkeypatch):
+    """Unpatched, TRL's attention imports the hub-kernel loader `kernels` (not installed: it would fetch a
+    CUDA flash-attention-3 build at run time). Patched, the same TRL function computes exact attention."""
+    assert importlib.util.find_spec("kernels") is None, (
+        "kernels is installed here: this test shows its absence"
+    )
     original = getattr(packing, "_rl_cluster_original_flash_attn", packing._flash_attn)
-    if hasattr(original, "cache_clear"):
-        original.cache_clear()
-    with pytest.raises(Exception):  # noqa: B017 - ImportError (no `kernels`) or a hub/CUDA error
-        _ = original().flash_attn_varlen_func
+    original.cache_clear()
+    monkeypatch.setattr(packing, "_flash_attn", original)
+    with pytest.raises(ModuleNotFoundError, match="No module named 'kernels'"):
+        trl_tree_attention([3, 5])
+
+    compat.apply_trainer_workarounds()
+    assert packing._rl_cluster_original_flash_attn is original  # TRL's own function stays reachable
+    out, reference = trl_tree_attention([3, 5, 1])
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
 
 
-def test_unpatched_mfu_probe_fails_on_cpu():
-    from trl.trainer.utils import get_peak_flops_per_device
+def grpo_args(**overrides) -> AsyncGRPOConfig:
+    return AsyncGRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="rl_cluster-test-compat-"), report_to="none",
+        vllm_server_base_url="http://127.0.0.1:9",  # never contacted: the trainer is built, not trained
+        per_device_train_batch_size=8, num_generations=4, max_steps=1, **overrides,
+    )  # fmt: skip
 
-    assert not torch.cuda.is_available()
-    with pytest.raises((AssertionError, RuntimeError)):
-        get_peak_flops_per_device(type("Acc", (), {"device": torch.device("cpu")})(), "float32")
+
+class LoraSyncTrainer(AsyncGRPOTrainer):
+    """TRL's trainer whose server probe (GET /server_info) is answered with what a server started with
+    --enable-lora reports; the decision itself is TRL's."""
+
+    def _init_lora_sync(self, model) -> bool:
+        return select_adapter_sync(LORA_SERVER_INFO, model, self.args)
+
+
+def build_trainer(model_dir, args: AsyncGRPOConfig) -> AsyncGRPOTrainer:
+    return LoraSyncTrainer(
+        model=str(model_dir), reward_funcs=[arithmetic_reward], args=args,
+        train_dataset=Dataset.from_list(make_prompts(16, seed=0)),
+        peft_config=LoraConfig(r=1, lora_alpha=2, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )  # fmt: skip
+
+
+def rollout_loop(trainer) -> _AsyncRolloutLoop:
+    """The rollout loop exactly as TRL's worker process builds it from the worker's forwarded kwargs."""
+    worker, ctx = trainer.rollout_worker, mp.get_context("spawn")
+    loop = _AsyncRolloutLoop(
+        **worker._loop_kwargs, rollout_buffer=worker.rollout_buffer,
+        model_version_value=worker._model_version_value, heartbeat_value=worker._heartbeat_value,
+        failed_event=worker._failed_event, exception_info_queue=worker._exception_info_queue,
+        metrics_queue=ctx.Queue(),
+    )  # fmt: skip
+    loop._loop.close()
+    loop._tool_pool.shutdown()
+    return loop
+
+
+@cpu_only
+def test_trl_config_defaults_to_bf16_which_fails_on_cpu():
+    with pytest.raises(ValueError, match="doesn't support bf16/gpu"):
+        grpo_args()
+    args = grpo_args(**compat.training_precision_kwargs())
+    assert (args.bf16, args.fp16, args.use_cpu) == (False, False, True)
+
+
+@cpu_only
+def test_trl_trainer_cannot_be_built_on_cpu_without_the_mfu_workaround(tiny_model_dir, monkeypatch):
+    args = grpo_args(**compat.training_precision_kwargs())
+    monkeypatch.setattr(async_grpo_trainer, "get_peak_flops_per_device", trl_peak_flops)  # unpatched
+    with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
+        build_trainer(tiny_model_dir, args)
+
+    compat.apply_trainer_workarounds()
+    trainer = build_trainer(tiny_model_dir, args)
+    assert trainer._peak_flops_per_device is None  # MFU off, as TRL does for an unknown device
+    assert trainer._lora_sync  # what BucketSyncTrainer insists on
 
 
 def test_workarounds_install_and_are_idempotent():
-    from trl.experimental.async_grpo import async_grpo_trainer, packing
-
     compat.apply_trainer_workarounds()
+    first = async_grpo_trainer.get_peak_flops_per_device
     compat.apply_trainer_workarounds()
-    assert packing._flash_attn().flash_attn_varlen_func is compat.varlen_attention
-    acc = type("Acc", (), {"device": torch.device("cpu")})()
-    assert async_grpo_trainer.get_peak_flops_per_device(acc, "float32") is None
-    assert compat.training_precision_kwargs()["bf16"] is False
+    assert async_grpo_trainer.get_peak_flops_per_device is first  # not wrapped twice
+    if not torch.cuda.is_available():
+        assert packing._flash_attn().flash_attn_varlen_func is compat.varlen_attention
+        assert packing._rl_cluster_original_flash_attn is not packing._flash_attn  # TRL's, not ours
+        acc = type("Acc", (), {"device": torch.device("cpu")})()
+        assert first(acc, "float32") is None
 
 
-def test_trl_fixes_the_adapter_name_and_the_score_queue():
-    """What name_run_adapters and bound_score_queue change is hard-wired in TRL 1.16."""
-    import inspect
+def test_trl_names_every_runs_adapters_alike_and_queues_16_groups(tiny_model_dir):
+    """TRL 1.16 names every run's adapters `trl-policy-vN` (so two runs on the same servers collide, and
+    share vLLM's name-keyed prefix cache) and lets 16 groups wait for scoring; the workarounds change the
+    names the real rollout loop requests and the bound of its queue."""
+    compat.apply_trainer_workarounds()
+    run_a = build_trainer(tiny_model_dir, grpo_args(**compat.training_precision_kwargs()))
+    run_b = build_trainer(tiny_model_dir, grpo_args(**compat.training_precision_kwargs()))
+    loop_a, loop_b = rollout_loop(run_a), rollout_loop(run_b)
+    assert run_a._lora_name == run_b._lora_name == "trl-policy"
+    assert loop_a._request_model == loop_b._request_model == "trl-policy-v0"
+    assert loop_a._groups_to_score.maxsize == 16
 
-    from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer
-    from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
-
-    assert 'self._lora_name = "trl-policy"' in inspect.getsource(AsyncGRPOTrainer.__init__)
-    assert inspect.signature(_AsyncRolloutLoop.__init__).parameters["score_queue_maxsize"].default == 16
-
-    worker = type("Worker", (), {"_loop_kwargs": {"lora_name": "trl-policy", "score_queue_maxsize": 16}})()
-    trainer = type("Trainer", (), {"rollout_worker": worker, "_lora_name": "trl-policy"})()
-    compat.name_run_adapters(trainer, "run-a")
-    compat.bound_score_queue(trainer, 4)
-    assert trainer._lora_name == "run-a"
-    assert worker._loop_kwargs == {"lora_name": "run-a", "score_queue_maxsize": 4}
+    compat.name_run_adapters(run_a, "run-a")
+    compat.name_run_adapters(run_b, "run-b")
+    compat.bound_score_queue(run_a, 2)
+    run_a.rollout_worker.update_model_version(3)
+    loop_a, loop_b = rollout_loop(run_a), rollout_loop(run_b)
+    assert run_a._lora_name == "run-a"  # the trainer publishes <run>-vN (BucketSyncTrainer._sync_weight_lora)
+    assert (loop_a._request_model, loop_b._request_model) == ("run-a-v3", "run-b-v0")
+    assert loop_a._groups_to_score.maxsize == 2

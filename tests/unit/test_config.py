@@ -1,57 +1,112 @@
+import re
 from pathlib import Path
 
 import pytest
-import yaml
 from pydantic import ValidationError
 
 from rl_cluster.config import RunConfig, config_reference, load_config, parse_override
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "jobs" / "configs").glob("*.toml"))
+CPU_DEMO = REPO / "jobs/configs/cpu_demo.toml"
+
+
+def test_configs_are_shipped():
+    assert {p.name for p in SHIPPED} >= {"cpu_demo.toml", "qwen25_math_1p5b.toml"}
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
-def test_every_shipped_config_parses(path):
+def test_every_shipped_config_parses_and_survives_its_resolved_dump(path):
     config = load_config(path)
-    assert config.run_name.startswith(path.stem) or config.run_name
+    assert re.fullmatch(rf"{re.escape(path.stem)}-\d{{8}}-\d{{6}}", config.run_name), config.run_name
+    # A run writes config.resolved.json (rl_cluster.run); reading it back gives the same config.
+    assert RunConfig.model_validate_json(config.model_dump_json()) == config
 
 
-def test_reference_recipe_is_the_documented_one():
-    c = load_config(REPO / "jobs/configs/qwen25_math_1p5b.toml")
-    assert (c.lora.rank, c.lora.alpha, c.lora.target_modules) == (1, 2.0, "all-linear")
-    assert (c.trainer.learning_rate, c.trainer.lr_scheduler, c.trainer.adam_beta2) == (4e-5, "constant", 0.95)
-    assert (c.trainer.num_generations, c.trainer.completions_per_step) == (8, 128)
-    assert (c.trainer.max_new_tokens, c.model.max_model_len) == (3000, 4096)
-    assert (c.trainer.max_staleness, c.trainer.sync_every, c.generator.max_loras) == (4, 4, 6)
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_validators_guard_every_shipped_config(path):
+    """One step more staleness than a shipped config's adapter slots hold is refused, naming both fields."""
+    config = load_config(path)
+    too_stale = config.generator.max_loras - 1
+    with pytest.raises(ValidationError, match=rf"generator\.max_loras=\d+ cannot hold the live window: "
+                       rf"trainer\.max_staleness={too_stale}"):  # fmt: skip
+        load_config(path, [f"trainer.max_staleness={too_stale}"])
+    assert (
+        load_config(path, [f"trainer.max_staleness={too_stale - 1}"]).trainer.max_staleness == too_stale - 1
+    )
 
 
-def test_overrides_are_typed_and_dotted():
-    assert parse_override("trainer.max_steps=20") == (["trainer", "max_steps"], 20)
-    assert parse_override("bucket.uri=s3://b/p") == (["bucket", "uri"], "s3://b/p")
-    assert parse_override('lora.target_modules=["q_proj"]') == (["lora", "target_modules"], ["q_proj"])
-    c = load_config(REPO / "jobs/configs/cpu_demo.toml", ["trainer.max_steps=7", "run_name=x1"])
-    assert (c.trainer.max_steps, c.run_name) == (7, "x1")
+@pytest.mark.parametrize(
+    "text,keys,value",
+    [
+        ("trainer.max_steps=20", ["trainer", "max_steps"], 20),
+        ("trainer.learning_rate=1e-5", ["trainer", "learning_rate"], 1e-5),
+        ("trainer.gradient_checkpointing=true", ["trainer", "gradient_checkpointing"], True),
+        ('lora.target_modules=["q_proj", "v_proj"]', ["lora", "target_modules"], ["q_proj", "v_proj"]),
+        ("bucket.uri=s3://b/p", ["bucket", "uri"], "s3://b/p"),  # not TOML: a bare word is a string
+        ('model.revision="1234567"', ["model", "revision"], "1234567"),  # quoted: a string, not a number
+        ("run_name=x=y", ["run_name"], "x=y"),  # the first "=" splits
+    ],
+)
+def test_overrides_parse_as_toml_values(text, keys, value):
+    parsed_keys, parsed = parse_override(text)
+    assert (parsed_keys, parsed) == (keys, value) and type(parsed) is type(value)
 
 
-def test_default_run_names_differ_per_run():
-    assert load_config(None).run_name.startswith("run-")
+def test_overrides_apply_with_the_fields_types_and_leave_the_rest_alone():
+    overrides = [
+        "run_name=x1", "trainer.max_steps=7", "trainer.learning_rate=1", "trainer.gradient_checkpointing=true",
+        'generator.extra_args=["--enforce-eager"]', "bucket.uri=s3://b/runs", "trainer.max_steps=9",
+    ]  # fmt: skip
+    base, c = load_config(CPU_DEMO, ["run_name=x1"]), load_config(CPU_DEMO, overrides)
+    assert c.trainer.max_steps == 9  # the last override of a field wins
+    assert c.trainer.learning_rate == 1.0 and isinstance(c.trainer.learning_rate, float)
+    assert c.trainer.gradient_checkpointing is True
+    assert (c.generator.extra_args, c.bucket.uri) == (["--enforce-eager"], "s3://b/runs")
+    changed = {"trainer": {"max_steps", "learning_rate", "gradient_checkpointing"}, "generator": {"extra_args"},
+               "bucket": {"uri"}}  # fmt: skip
+    assert c.model_dump(exclude=changed) == base.model_dump(exclude=changed)
 
 
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["trainer.completions_per_step=12", "trainer.num_generations=8"], "multiple of"),
-        (["generator.max_loras=3", "trainer.max_staleness=4"], "live window"),
-        (["lora.rank=16", "generator.max_lora_rank=8"], "max_lora_rank"),
-        (["proxy.host=0.0.0.0"], "auth_token"),
-        (["trainer.nonsense=1"], "Extra inputs are not permitted"),
-        (["trainer.learning_rate=-1"], "greater than 0"),
-        (["run_name=../escape"], "run_name"),
+        (["generator.replicas=two"], r"generator\.replicas\n\s+Input should be a valid integer"),
+        (["trainer.max_steps=2.5"], r"trainer\.max_steps\n\s+Input should be a valid integer"),
+        (["generator.extra_args=--enforce-eager"], r"generator\.extra_args\n\s+Input should be a valid list"),
+        (["trainer.learning_rate=-1"], r"trainer\.learning_rate\n\s+Input should be greater than 0"),
+        (["trainer.nonsense=1"], r"trainer\.nonsense\n\s+Extra inputs are not permitted"),
+        (["trainer.completions_per_step=12", "trainer.num_generations=8"],
+         r"trainer\.completions_per_step=12 must be a multiple of trainer\.num_generations=8"),
+        (["generator.max_loras=3", "trainer.max_staleness=4"],
+         r"generator\.max_loras=3 cannot hold the live window: trainer\.max_staleness=4 needs at least 6"),
+        (["lora.rank=16", "generator.max_lora_rank=8"], r"lora\.rank=16 exceeds generator\.max_lora_rank=8"),
+        (["proxy.imbalance_threshold=4", "trainer.num_generations=8"],
+         r"proxy\.imbalance_threshold=4 is below trainer\.num_generations=8"),
+        (["task.prompts=jsonl"], r'task\.prompts = "jsonl" needs task\.jsonl_path'),
+        (["run_name=../escape"], r"run_name='\.\./escape' may contain only"),
+    ],
+)  # fmt: skip
+def test_bad_values_and_combinations_are_rejected_naming_the_field(overrides, message):
+    with pytest.raises(ValidationError, match=message):
+        load_config(None, ["run_name=t", *overrides])
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["trainer"], r"override 'trainer' must look like section\.field=value"),
+        (["run_name=a", "run_name.x=1"], r"'run_name' is not a section"),
     ],
 )
-def test_bad_combinations_are_rejected_with_a_reason(overrides, message):
-    with pytest.raises(ValidationError, match=message):
-        load_config(None, ["run_name=t", *overrides] if "run_name" not in overrides[0] else overrides)
+def test_malformed_overrides_are_rejected(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, overrides)
+
+
+def test_default_run_name_is_the_stem_and_the_utc_time():
+    assert re.fullmatch(r"run-\d{8}-\d{6}", load_config(None).run_name)
+    assert load_config(None, ["run_name=mine"]).run_name == "mine"
 
 
 def test_every_field_is_documented():
@@ -66,12 +121,5 @@ def test_readme_config_reference_is_in_step():
 
 
 def test_sections_forbid_unknown_keys():
-    with pytest.raises(ValidationError):
+    with pytest.raises(ValidationError, match=r"generator\.replica\n\s+Extra inputs are not permitted"):
         RunConfig.model_validate({"run_name": "x", "generator": {"replica": 2}})
-
-
-@pytest.mark.parametrize("path", sorted((REPO / "ray_configs").rglob("*.yaml")), ids=lambda p: p.name)
-def test_ray_configs_are_valid_yaml_with_our_resources(path):
-    text = path.read_text()
-    yaml.safe_load(text)
-    assert "trainer" in text and "generator" in text

@@ -90,4 +90,41 @@ def test_broadcast_latencies_reach_ray_and_prometheus():
 def test_real_ray_metric_classes_accept_our_definitions():
     """Constructing ray.util.metrics objects needs no running Ray; this catches bad names or tag keys."""
     metrics = RayMetrics()
-    assert metrics.broadcast is not None
+    assert metrics.routes.info["name"] == "rl_proxy_route"
+    assert metrics.routes.info["tag_keys"] == ("reason",)
+    assert metrics.requests.info["tag_keys"] == ("replica",)
+    assert metrics.retries.info["tag_keys"] == ()
+    assert metrics.broadcast.info["tag_keys"] == ("op",)
+    assert metrics.broadcast.boundaries == list(LatencyHistogram.BUCKETS)
+
+
+def label_keys(text: str, name: str) -> tuple[str, ...]:
+    """The label names of the first sample of `name` on a Prometheus page (a histogram's `le` left out)."""
+    sample = next(line for line in text.splitlines() if line.startswith((f"{name}{{", f"{name}_bucket{{")))
+    pairs = sample[sample.index("{") + 1 : sample.index("}")].split(",")
+    return tuple(key for key, _ in (pair.split("=", 1) for pair in pairs) if key != "le")
+
+
+def test_ray_and_prometheus_show_the_same_metrics():
+    """Every Ray metric is on /metrics under the name a scrape of Ray shows (counters with _total), with
+    the same kind, help and labels; the page has only rl_proxy_adapter_loaded besides."""
+    metrics = RayMetrics()
+    histogram = LatencyHistogram()
+    histogram.observe("load", 0.5)
+    text = render_prometheus(stats(requests=1, affinity=1), histogram)
+    kinds = {line.split()[2]: line.split()[3] for line in text.splitlines() if line.startswith("# TYPE")}
+    ray_side = {
+        "counter": [metrics.requests, metrics.routes, metrics.retries],
+        "gauge": [metrics.in_flight, metrics.active, metrics.adapters_loaded, metrics.adapters_routable],
+        "histogram": [metrics.broadcast],
+    }
+    names = set()
+    for kind, group in ray_side.items():
+        for info in (metric.info for metric in group):
+            name = f"{info['name']}_total" if kind == "counter" else info["name"]
+            names.add(name)
+            assert kinds.get(name) == kind, name
+            assert f"# HELP {name} {info['description']}\n" in text
+            if info["tag_keys"]:
+                assert label_keys(text, name) == info["tag_keys"], name
+    assert set(kinds) - names == {"rl_proxy_adapter_loaded"}

@@ -1,6 +1,14 @@
-"""How a vLLM server is launched follows from the config (no server is started here)."""
+"""How a vLLM server is launched follows from the config; how it is stopped and watched, on stand-in
+process trees (no vLLM server is started here)."""
 
-from rl_cluster.generator.server import ServerSpec, VLLMServer
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from rl_cluster.generator.server import ServerSpec, VLLMServer, group_alive
 
 
 def test_command_carries_the_lora_and_logprob_flags():
@@ -23,5 +31,75 @@ def test_environment_enables_runtime_lora_and_pins_a_core():
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
 
 
+@dataclass(frozen=True)
+class StandInSpec(ServerSpec):
+    """Launched like a vLLM server (own process group, watchdog), but the process is a short script."""
+
+    script: str = ""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", self.script]
+
+
+# A tree like vLLM's (a server and a child engine), where the child ignores SIGTERM, as a wedged engine core
+# would: stop() must still end the whole group.
+STUBBORN_TREE = (
+    "import signal, subprocess, sys, time\n"
+    "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+    'signal.signal(signal.SIGTERM, signal.SIG_IGN); print("child up", flush=True); time.sleep(300)\'])\n'
+    "time.sleep(300)\n"
+)
+
+
+def live_members(pgid: int) -> list[int]:
+    """Processes of group `pgid` that still run. A killed orphan stays a zombie until PID 1 reaps it, and
+    `group_alive` counts zombies, so it is not the measure here."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
 def test_stop_without_start_is_a_no_op(tmp_path):
-    VLLMServer(ServerSpec(model="/m", port=9), tmp_path / "log").stop()
+    server = VLLMServer(ServerSpec(model="/m", port=9), tmp_path / "log")
+    server.stop()
+    server.stop()
+    assert server.process is None and not (tmp_path / "log").exists()
+    assert server.url == "http://127.0.0.1:9"
+
+
+def test_stop_ends_the_whole_process_group_even_a_child_that_ignores_sigterm(tmp_path):
+    log = tmp_path / "logs" / "server.log"
+    server = VLLMServer(StandInSpec(model="/m", port=9, script=STUBBORN_TREE), log)
+    server.start()
+    pgid = server.process.pid
+    deadline = time.monotonic() + 30
+    while "child up" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "child up" in log.read_text() and group_alive(pgid)
+    started = time.monotonic()
+    server.stop(grace_s=1.0)
+    assert server.process is None
+    assert time.monotonic() - started < 10  # SIGKILL after the grace, not a wait for the child's sleep
+    deadline = time.monotonic() + 5
+    while live_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not live_members(pgid)
+
+
+async def test_a_server_that_dies_while_starting_fails_fast_with_its_log(tmp_path):
+    script = "print('model config is bad'); raise SystemExit(3)"
+    server = VLLMServer(StandInSpec(model="/m", port=9, script=script), tmp_path / "server.log")
+    server.start()
+    try:
+        with pytest.raises(
+            RuntimeError, match=r"(?s)exited \(code 3\) before it was healthy.*model config is bad"
+        ):
+            await server.wait_healthy(timeout_s=60)
+    finally:
+        server.stop()

@@ -1,4 +1,4 @@
-from rl_cluster.core.summary import fifths, progress_line, step_record, summarize, summary_table
+from rl_cluster.core.summary import exit_status, fifths, progress_line, step_record, summarize, summary_table
 
 
 def history(rewards):
@@ -51,3 +51,32 @@ def test_summary_has_the_documented_fields():
     assert s["routing"]["affinity"] == 5
     table = summary_table(s)
     assert "reward, last fifth     0.600" in table and "replica g1" in table
+
+
+def test_a_run_that_did_not_finish_is_summarised_with_what_it_did():
+    result = {
+        "history": history([0.2, 0.3, 0.4]),
+        "syncs": [{"version": 1, "adapter": "r-v1", "handoff_s": 0.1}],
+    }
+    placement = {
+        "trainer": {"address": "10.0.0.2", "node_id": "n2"},
+        "proxy": {"address": "10.0.0.1", "node_id": "n1"},
+    }
+    s = summarize(result, {}, 5.0, status="stopped", placement=placement)
+    assert (s["status"], s["steps"], s["requests"]) == ("stopped", 3, {})
+    assert s["placement"]["trainer"]["address"] == "10.0.0.2"
+    table = summary_table(s)
+    assert "status                 stopped" in table and "trainer on             10.0.0.2" in table
+    failed = summarize(result, {}, 5.0, status="failed", error="RuntimeError: boom")
+    assert "failed: RuntimeError: boom" in summary_table(failed)
+
+
+def test_exit_status_tells_success_mismatch_and_failure_apart():
+    def summary(status="finished", gap=1e-7):
+        return {"status": status, "served_vs_trained_gap": gap}
+
+    assert exit_status(summary(), tolerance=1e-3) == 0
+    assert exit_status(summary(gap=0.5), tolerance=1e-3) == 2  # served != trained
+    assert exit_status(summary(gap=None), tolerance=1e-3) == 2  # never checked: not a success
+    assert exit_status(summary("stopped"), tolerance=1e-3) == 1
+    assert exit_status(summary("failed", gap=None), tolerance=1e-3) == 1

@@ -1,4 +1,8 @@
-"""How the proxy loads and unloads adapters on one replica: the ReplicaControl protocol and its HTTP form."""
+"""How the proxy loads and unloads adapters on one replica: the AdapterLoader protocol and its HTTP form.
+
+The proxy never needs more from a replica's adapter side than these two calls, so a replica may be a
+bare vLLM server (HttpAdapterLoader) or a GeneratorActor that verifies the bucket's manifest first.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +13,13 @@ import aiohttp
 
 from rl_cluster.errors import AdapterError, AdapterNotFound, AdapterRejected
 
-# Control calls are bounded so that a hung replica turns into an error instead of a hung trainer.
-CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=600, sock_connect=10)
+# Admin calls to a replica (adapter loads, pause, resume, /v1/models) are bounded so that a hung replica
+# turns into an error instead of a hung trainer.
+ADMIN_TIMEOUT = aiohttp.ClientTimeout(total=600, sock_connect=10)
 
 
 @runtime_checkable
-class ReplicaControl(Protocol):
+class AdapterLoader(Protocol):
     """How the proxy loads and unloads adapters on one replica. Raises rl_cluster.errors:
     AdapterNotFound (retryable: not visible yet), AdapterRejected or AdapterError (a real failure)."""
 
@@ -37,7 +42,7 @@ def error_message(text: str) -> str:
     return text.strip()
 
 
-class HttpReplicaControl:
+class HttpAdapterLoader:
     """Loads and unloads adapters through a vLLM server's runtime LoRA endpoints."""
 
     def __init__(self, url: str, session: aiohttp.ClientSession | None = None):
@@ -47,7 +52,7 @@ class HttpReplicaControl:
     async def _post(self, path: str, payload: dict) -> tuple[int, str]:
         session = self._session or aiohttp.ClientSession()
         try:
-            async with session.post(self.url + path, json=payload, timeout=CONTROL_TIMEOUT) as response:
+            async with session.post(self.url + path, json=payload, timeout=ADMIN_TIMEOUT) as response:
                 return response.status, await response.text()
         except (aiohttp.ClientError, TimeoutError) as e:
             raise AdapterError(f"replica {self.url} unreachable for {path}: {type(e).__name__}: {e}") from e

@@ -1,0 +1,383 @@
+"""The bucket: where adapter versions, checkpoints, run configs and metrics live, as a directory or an
+s3:// prefix.
+
+Layout: `<bucket>/<run_name>/adapters/<adapter_name>-v<N>/` holds the PEFT files and `manifest.json`;
+`<bucket>/<run_name>/checkpoints/step-<N>/` holds what the HF Trainer saved at step N and `manifest.json`.
+Both are committed directories under one rule, kept by the backend (`store.py` says what a backend
+does; `directory.py` and `s3.py` are the two, chosen once when a Bucket is made): files first, manifest
+last, so a reader that sees a manifest sees every file it lists. Deletion runs in reverse (manifest
+first), so no reader ever sees a manifest whose files are gone. A new kind of published directory
+(experience shards, say) is one more `_Kind` and a publish method that builds its manifest.
+
+This module holds what does not depend on the medium: names, what a manifest says, what a reader checks.
+Readers trust nothing else: `fetch_verified` checks the manifest against the base model and the
+replica's max LoRA rank before any file is hashed or downloaded, then every file (size, sha256) before
+a path is handed to vLLM; `fetch_checkpoint` checks a checkpoint the same way before a trainer resumes.
+
+Every bucket operation is retried a bounded number of times with exponential backoff; when the bucket
+stays unreachable the caller gets BucketUnavailable naming the URI and the last error.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from rl_cluster.bucket.directory import DirectoryStore
+from rl_cluster.bucket.s3 import S3Store
+from rl_cluster.bucket.store import Manifest, RetryPolicy, Store
+from rl_cluster.core.manifest import (
+    ADAPTER,
+    CHECKPOINT,
+    CHECKPOINT_REQUIRED_FILES,
+    MANIFEST_NAME,
+    REQUIRED_FILES,
+    adapter_dir_name,
+    build_checkpoint_manifest,
+    build_manifest,
+    check_checkpoint_compatible,
+    check_compatible,
+    checkpoint_dir_name,
+    manifest_to_json,
+    parse_adapter_dir_name,
+    parse_checkpoint_dir_name,
+    parse_manifest,
+    split_adapter_dir_name,
+    versions_to_delete,
+)
+from rl_cluster.errors import AdapterNotFound, AdapterRejected
+
+__all__ = ["ADAPTERS_DIR", "CHECKPOINTS_DIR", "Bucket", "apply_cache_retention"]
+
+ADAPTERS_DIR = "adapters"
+CHECKPOINTS_DIR = "checkpoints"
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """What differs between the kinds of published directory; publication, listing, verification and
+    deletion are shared."""
+
+    manifest_kind: str  # the manifest's `kind`
+    subdir: str  # the directory under `<run>/`
+    noun: str  # in messages: "not a <noun> directory"
+    article: str  # in messages: "'..' in <article> path"
+    pattern: str  # how a directory is named, in messages
+    is_dir_name: Callable[[str], bool]
+    never_reused: str  # why publishing over an existing one is refused
+
+
+_ADAPTERS = _Kind(
+    ADAPTER,
+    ADAPTERS_DIR,
+    "version",
+    "an adapter",
+    "<name>-v<N>",
+    lambda name: split_adapter_dir_name(name) is not None,
+    "adapter names are never reused",
+)
+_CHECKPOINTS = _Kind(
+    CHECKPOINT,
+    CHECKPOINTS_DIR,
+    "checkpoint",
+    "a checkpoint",
+    "step-<N>",
+    lambda name: parse_checkpoint_dir_name(name) is not None,
+    "checkpoints are never overwritten",
+)
+
+
+class Bucket:
+    """A run bucket: a directory every node sees at the same path, or `s3://bucket/prefix`."""
+
+    def __init__(
+        self,
+        uri: str,
+        s3_endpoint_url: str | None = None,
+        *,
+        attempts: int = 5,
+        retry_base_delay_s: float = 0.5,
+        retry_max_delay_s: float = 8.0,
+        s3_timeout_s: float = 30.0,
+    ):
+        policy = RetryPolicy(attempts, retry_base_delay_s, retry_max_delay_s)
+        self.s3_endpoint_url = s3_endpoint_url
+        self.store: Store = (
+            S3Store(uri, policy, s3_endpoint_url, s3_timeout_s)
+            if uri.startswith("s3://")
+            else DirectoryStore(uri, policy)
+        )
+
+    @property
+    def uri(self) -> str:
+        """The bucket root: an absolute directory path, or `s3://bucket/prefix`."""
+        return self.store.uri
+
+    @property
+    def is_remote(self) -> bool:
+        """Whether readers get a downloaded copy (s3) rather than the bucket's own files (directory)."""
+        return isinstance(self.store, S3Store)
+
+    def __repr__(self) -> str:
+        return f"Bucket({self.uri!r})"
+
+    # ---------------------------------------------------------------- paths
+
+    def run_uri(self, run_name: str) -> str:
+        """Where a run's files live: a directory path, or an s3:// URI."""
+        return self.store.uri_of(_plain(run_name, "run_name"))
+
+    def adapter_uri(self, run_name: str, adapter_name: str, version: int) -> str:
+        """Where version N of an adapter lives (what `publish_adapter` returns)."""
+        return self.store.uri_of(_adapter_rel(run_name, adapter_name, version))
+
+    def checkpoint_uri(self, run_name: str, step: int) -> str:
+        """Where the checkpoint of trainer step N lives (what `publish_checkpoint` returns)."""
+        return self.store.uri_of(_checkpoint_rel(run_name, step))
+
+    # ---------------------------------------------------------------- run files
+
+    def write_text(self, run_name: str, relpath: str, text: str) -> str:
+        """Write a run file (config.resolved.json, summary.json, metrics.jsonl) atomically; returns its URI."""
+        return self.write_bytes(run_name, relpath, text.encode())
+
+    def write_bytes(self, run_name: str, relpath: str, data: bytes) -> str:
+        """Write a run file (curves.png, ...) atomically: readers see the old or the new content, never half."""
+        rel = _run_file_rel(run_name, relpath)
+        self.store.write(rel, data)
+        return self.store.uri_of(rel)
+
+    def read_text(self, run_name: str, relpath: str) -> str:
+        """Read a run file written by `write_text`."""
+        return self.read_bytes(run_name, relpath).decode()
+
+    def read_bytes(self, run_name: str, relpath: str) -> bytes:
+        """Read a run file written by `write_bytes`."""
+        return self.store.read(_run_file_rel(run_name, relpath))
+
+    # ---------------------------------------------------------------- publication
+
+    def publish_adapter(
+        self,
+        run_name: str,
+        adapter_name: str,
+        version: int,
+        src_dir: str | Path,
+        *,
+        base_model: str,
+        base_fingerprint: str,
+        rank: int,
+        alpha: float,
+        target_modules: str | list[str],
+        trainer_step: int,
+    ) -> str:
+        """Publish a PEFT `save_pretrained` directory as version N; returns the version's URI.
+
+        Refuses (FileExistsError) a version that already exists: names are never reused, since vLLM keys
+        its prefix cache by adapter name and would serve the old policy's KV blocks.
+        """
+        src = Path(src_dir)
+        files = _flat_files(src, REQUIRED_FILES, "a PEFT save_pretrained directory")
+        peft_rank = json.loads((src / "adapter_config.json").read_text()).get("r")
+        if peft_rank is not None and peft_rank != rank:
+            raise ValueError(f"{src}: adapter_config.json says r={peft_rank}, but rank={rank} was given")
+        build = functools.partial(
+            build_manifest,
+            adapter_name=adapter_name,
+            version=version,
+            base_model=base_model,
+            base_fingerprint=base_fingerprint,
+            rank=rank,
+            alpha=alpha,
+            target_modules=target_modules,
+            trainer_step=trainer_step,
+        )
+        return self._publish(_adapter_rel(run_name, adapter_name, version), files, build, _ADAPTERS)
+
+    def publish_checkpoint(
+        self, run_name: str, step: int, src_dir: str | Path, *, base_model: str, base_fingerprint: str
+    ) -> str:
+        """Publish a HF Trainer checkpoint directory (flat: adapter, optimizer, scheduler, RNG and trainer
+        state) as `<run>/checkpoints/step-<N>/`; returns its URI.
+
+        The same rule as adapters: files first, manifest last; FileExistsError for a step already published
+        (a checkpoint is never overwritten); ValueError for a directory with subdirectories (a DeepSpeed
+        `global_step*/`, say: not supported) or without trainer_state.json.
+        """
+        files = _flat_files(Path(src_dir), CHECKPOINT_REQUIRED_FILES, "a HF Trainer checkpoint directory")
+        rel = _checkpoint_rel(run_name, step)
+        build = functools.partial(
+            build_checkpoint_manifest, step=step, base_model=base_model, base_fingerprint=base_fingerprint
+        )
+        return self._publish(rel, files, build, _CHECKPOINTS)
+
+    def _publish(self, rel: str, files: list[Path], build: Callable[..., Manifest], kind: _Kind) -> str:
+        """Commit `files` as `rel` with the manifest `build(created_at=, files=)` makes of their digests."""
+        try:
+            self.store.publish(
+                rel, files, lambda digests: manifest_to_json(build(created_at=_now(), files=digests)).encode()
+            )
+        except FileExistsError as e:
+            raise FileExistsError(f"{e}; {kind.never_reused}") from None
+        return self.store.uri_of(rel)
+
+    # ---------------------------------------------------------------- listing
+
+    def list_versions(self, run_name: str, adapter_name: str) -> list[int]:
+        """Committed versions (those with a manifest), oldest first."""
+        parse = functools.partial(parse_adapter_dir_name, _plain(adapter_name, "adapter_name"))
+        return self._committed(f"{_plain(run_name, 'run_name')}/{ADAPTERS_DIR}", parse)
+
+    def list_checkpoints(self, run_name: str) -> list[int]:
+        """Steps of the committed checkpoints (those with a manifest), oldest first."""
+        return self._committed(f"{_plain(run_name, 'run_name')}/{CHECKPOINTS_DIR}", parse_checkpoint_dir_name)
+
+    def _committed(self, parent: str, parse: Callable[[str], int | None]) -> list[int]:
+        """N of each committed directory under `parent` whose name `parse` maps to N, sorted."""
+        return sorted(n for n in map(parse, self.store.committed(parent)) if n is not None)
+
+    # ---------------------------------------------------------------- reading
+
+    def fetch_verified(
+        self, version_uri: str, *, cache_dir: str | Path, base_fingerprint: str, max_lora_rank: int
+    ) -> Path:
+        """A local directory holding the version, verified against its manifest, for vLLM to load.
+
+        Directory bucket: verified in place (the path must resolve inside the bucket root). s3 bucket:
+        downloaded into `cache_dir/<run>/adapters/<name>-vN/` (temporary directory, then rename) and
+        verified there. Raises AdapterNotFound when no manifest is visible yet (retry later),
+        AdapterRejected when the version is not what was published or does not fit this replica,
+        BucketUnavailable when unreachable.
+        """
+        rel, name, manifest = self._manifest(version_uri, _ADAPTERS)
+        # Before any file is hashed or downloaded: weights that could not be used are not fetched.
+        check_compatible(
+            manifest, expected_name=name, base_fingerprint=base_fingerprint, max_lora_rank=max_lora_rank
+        )
+        return self.store.fetch(rel, manifest, Path(cache_dir).absolute())
+
+    def fetch_checkpoint(
+        self, checkpoint_uri: str, *, cache_dir: str | Path, base_fingerprint: str | None = None
+    ) -> Path:
+        """A local directory holding the checkpoint, verified against its manifest, to resume from.
+
+        As `fetch_verified`: in place for a directory bucket (inside the bucket root), downloaded into
+        `cache_dir/<run>/checkpoints/step-<N>/` for s3. AdapterNotFound when no manifest is visible,
+        AdapterRejected when a file is not what was published (the message names it) or, when
+        `base_fingerprint` is given, the checkpoint was trained on another base model.
+        """
+        rel, name, manifest = self._manifest(checkpoint_uri, _CHECKPOINTS)
+        check_checkpoint_compatible(manifest, expected_name=name, base_fingerprint=base_fingerprint)
+        return self.store.fetch(rel, manifest, Path(cache_dir).absolute())
+
+    def _manifest(self, uri: str, kind: _Kind) -> tuple[str, str, Manifest]:
+        """(rel, directory name, parsed manifest) of a published directory of this bucket; AdapterRejected
+        unless `uri` is one of `kind`, AdapterNotFound while it has no manifest."""
+        rel = self.store.locate(uri, kind.article)
+        if len(rel) != 3 or rel[1] != kind.subdir or not kind.is_dir_name(rel[2]):
+            raise AdapterRejected(
+                f"{uri}: not a {kind.noun} directory of {self.uri} (expected <run>/{kind.subdir}/{kind.pattern})"
+            )
+        name, path = rel[2], "/".join(rel)
+        try:
+            text = self.store.read(f"{path}/{MANIFEST_NAME}")
+        except (FileNotFoundError, NotADirectoryError):
+            raise AdapterNotFound(
+                f"{name}: no {MANIFEST_NAME} at {self.store.uri_of(path)} (not published yet, or the bucket lags?)"
+            ) from None
+        return path, name, parse_manifest(text, where=f"{name}/{MANIFEST_NAME}", kind=kind.manifest_kind)
+
+    # ---------------------------------------------------------------- retention
+
+    def apply_retention(
+        self, run_name: str, adapter_name: str, *, live_window: int, keep_every: int, protected: Iterable[int]
+    ) -> list[int]:
+        """Delete versions outside the live window, except every K-th and the protected ones; returns them."""
+        doomed = versions_to_delete(
+            self.list_versions(run_name, adapter_name),
+            live_window=live_window,
+            keep_every=keep_every,
+            protected=set(protected),
+        )
+        for version in doomed:
+            self.store.delete(_adapter_rel(run_name, adapter_name, version))
+        return doomed
+
+    def apply_checkpoint_retention(self, run_name: str, *, keep_last: int) -> list[int]:
+        """Delete all but the newest `keep_last` checkpoints (manifest first); returns their steps."""
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError(
+                f"keep_last={keep_last!r} must be an int >= 1: the newest checkpoint is always kept"
+            )
+        doomed = versions_to_delete(self.list_checkpoints(run_name), live_window=keep_last, keep_every=0)
+        for step in doomed:
+            self.store.delete(_checkpoint_rel(run_name, step))
+        return doomed
+
+
+def apply_cache_retention(
+    cache_dir: str | Path,
+    run_name: str,
+    adapter_name: str,
+    *,
+    live_window: int,
+    keep_every: int,
+    protected: Iterable[int],
+) -> list[int]:
+    """The bucket's retention rule applied to a generator's local cache (`cache_dir/<run>/adapters/`).
+
+    The cache has the bucket's layout and commit rule, so it is a directory bucket; its disk is local,
+    so nothing is retried."""
+    return Bucket(str(cache_dir), attempts=1).apply_retention(
+        run_name, adapter_name, live_window=live_window, keep_every=keep_every, protected=protected
+    )
+
+
+# -------------------------------------------------------------------- names
+
+
+def _plain(name: str, what: str) -> str:
+    """A single path segment that cannot climb out of its parent or hide from listings."""
+    if not name or name.startswith(".") or "/" in name or "\\" in name:
+        raise ValueError(f"{what}={name!r} must be a plain name (no '/', not starting with '.')")
+    return name
+
+
+def _adapter_rel(run_name: str, adapter_name: str, version: int) -> str:
+    name = adapter_dir_name(_plain(adapter_name, "adapter_name"), version)
+    return f"{_plain(run_name, 'run_name')}/{ADAPTERS_DIR}/{name}"
+
+
+def _checkpoint_rel(run_name: str, step: int) -> str:
+    return f"{_plain(run_name, 'run_name')}/{CHECKPOINTS_DIR}/{checkpoint_dir_name(step)}"
+
+
+def _run_file_rel(run_name: str, relpath: str) -> str:
+    parts = PurePosixPath(relpath).parts
+    if not parts or PurePosixPath(relpath).is_absolute() or any(p in (".", "..") for p in parts):
+        raise ValueError(f"relpath={relpath!r} must be a relative path without '..'")
+    return "/".join([_plain(run_name, "run_name"), *parts])
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds")
+
+
+def _flat_files(src_dir: Path, required: Iterable[str], what: str) -> list[Path]:
+    """The files of a directory to publish, checked before anything is written: plain files only (no
+    subdirectories), none named manifest.json, every `required` one present."""
+    entries = sorted(src_dir.iterdir())
+    nested = [p.name for p in entries if not p.is_file()]
+    if nested:
+        raise ValueError(f"{src_dir}: only plain files can be published, found {nested}")
+    names = {p.name for p in entries}
+    if MANIFEST_NAME in names:
+        raise ValueError(f"{src_dir}: contains {MANIFEST_NAME}, a name the bucket protocol reserves")
+    absent = [name for name in required if name not in names]
+    if absent:
+        raise ValueError(f"{src_dir}: lacks {', '.join(absent)}; is it {what}?")
+    return entries

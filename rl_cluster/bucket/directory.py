@@ -1,0 +1,178 @@
+"""The directory backend: a bucket that is a directory every node sees at the same path (a local
+directory on one machine; on a cluster a mounted cloud bucket).
+
+A directory is committed by writing its files and manifest into a dot-prefixed temporary sibling
+(listings skip it), fsyncing, and renaming it into place in one step: a reader sees all of it or none.
+Readers verify in place, since the bucket is already a local path vLLM can read; the path must resolve
+inside the bucket root (vLLM follows symlinks, so a link out of the bucket would load something else).
+
+The s3 backend's local cache is a directory store too (same layout, same commit), which is why `commit`
+takes a function that fills the temporary directory rather than source files.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+from rl_cluster.bucket.store import Digests, Manifest, RetryPolicy, Store
+from rl_cluster.core.manifest import MANIFEST_NAME, check_files, sha256_of
+from rl_cluster.errors import AdapterRejected
+
+_CHUNK = 1 << 20
+
+
+class DirectoryStore(Store):
+    def __init__(self, uri: str, policy: RetryPolicy):
+        # Not resolved: the root is reported as given; checks resolve it at the time they run.
+        self.root = Path(uri.removeprefix("file://")).expanduser().absolute()
+        super().__init__(str(self.root), policy)
+
+    def uri_of(self, rel: str) -> str:
+        return str(self.root / rel)
+
+    def locate(self, uri: str, what: str) -> list[str]:
+        path = Path(uri.removeprefix("file://")).expanduser()
+        if ".." in path.parts:
+            raise AdapterRejected(f"{uri}: '..' in {what} path is refused")
+        root = self.root.resolve()
+        path = path.absolute()
+        resolved = path.resolve()  # follows symlinks: a link pointing out of the bucket is caught here
+        parent = path.parent.resolve()
+        if not resolved.is_relative_to(root) or not parent.is_relative_to(root):
+            raise AdapterRejected(f"{uri}: resolves to {resolved}, outside the bucket root {root}")
+        # The name as given (not as resolved): a link `p-v3 -> p-v2` must fail the manifest name check.
+        return [*parent.relative_to(root).parts, path.name]
+
+    def publish(self, rel: str, files: Sequence[Path], manifest_for: Callable[[Digests], bytes]) -> None:
+        def fill(tmp: Path) -> bytes:
+            return manifest_for({src.name: _copy_hashed(src, tmp / src.name) for src in files})
+
+        self._retry(f"publish {self.uri_of(rel)}", self.commit, rel, fill)
+
+    def commit(self, rel: str, fill: Callable[[Path], bytes]) -> Path:
+        """Commit the directory `rel`: `fill(tmp)` writes the files into a temporary directory and returns
+        the manifest, which is written last; then one rename. FileExistsError (or, when another writer
+        wins the race, OSError from the rename) when `rel` is there already."""
+        final = self.root / rel
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if final.exists():
+            raise FileExistsError(f"{final} is already published")
+        tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"  # dot: listings skip it
+        tmp.mkdir()
+        try:
+            write_synced(tmp / MANIFEST_NAME, fill(tmp))
+            _fsync_dir(tmp)
+            os.rename(tmp, final)  # the commit: the whole directory appears at once
+            _fsync_dir(final.parent)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone after a rename; a leftover after a failure
+        return final
+
+    def committed(self, parent: str) -> list[str]:
+        return self._retry(f"list {self.uri_of(parent)}", _committed_names, self.root / parent)
+
+    def is_committed(self, rel: str) -> bool:
+        return (self.root / rel / MANIFEST_NAME).is_file()
+
+    def fetch(self, rel: str, manifest: Manifest, cache: Path) -> Path:
+        # In place: the bucket is already a local path, so `cache` is not needed.
+        return self._retry(f"verify {self.uri_of(rel)}", self._verify, self.root / rel, manifest)
+
+    def _verify(self, directory: Path, manifest: Manifest) -> Path:
+        root = self.root.resolve()
+        observed: dict[str, tuple[int, str] | None] = {}
+        for file in [MANIFEST_NAME, *manifest["files"]]:
+            path = directory / file
+            # vLLM follows symlinks, so a file linked out of the bucket would be loaded from elsewhere.
+            if not path.resolve().is_relative_to(root):
+                raise AdapterRejected(f"{file}: resolves to {path.resolve()}, outside the bucket root {root}")
+            if file != MANIFEST_NAME:
+                observed[file] = _hash_file(path) if path.is_file() else None
+        check_files(manifest, observed)
+        return directory.resolve()
+
+    def delete(self, rel: str) -> None:
+        self._retry(f"delete {self.uri_of(rel)}", _remove_committed, self.root / rel)
+
+    def read(self, rel: str) -> bytes:
+        return self._retry(f"read {self.uri_of(rel)}", (self.root / rel).read_bytes)
+
+    def write(self, rel: str, data: bytes) -> None:
+        self._retry(f"write {self.uri_of(rel)}", _atomic_write, self.root / rel, data)
+
+
+def write_synced(path: Path, data: bytes) -> None:
+    """Write a file and fsync it: a rename that commits it must not outlive its contents in a crash."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        write_synced(tmp, data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def _copy_hashed(src: Path, dest: Path) -> tuple[int, str]:
+    """Copy a file and return (size, sha256) of the bytes actually written: the manifest then describes
+    the copy even if the source changes meanwhile."""
+    with open(src, "rb") as fin, open(dest, "wb") as fout:
+
+        def chunks() -> Iterable[bytes]:
+            while chunk := fin.read(_CHUNK):
+                fout.write(chunk)
+                yield chunk
+
+        digest = sha256_of(chunks())
+        fout.flush()
+        os.fsync(fout.fileno())
+    return digest
+
+
+def _hash_file(path: Path) -> tuple[int, str]:
+    with open(path, "rb") as f:
+        return sha256_of(iter(lambda: f.read(_CHUNK), b""))
+
+
+def _committed_names(directory: Path) -> list[str]:
+    """Subdirectories of `directory` that have a manifest; temporaries (dot names) have one for a moment
+    before their rename and are not committed."""
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return []
+    return sorted(
+        entry.name
+        for entry in entries
+        if not entry.name.startswith(".") and os.path.isfile(os.path.join(entry.path, MANIFEST_NAME))
+    )
+
+
+def _remove_committed(path: Path) -> None:
+    """Remove a committed directory, manifest first, so no reader sees a manifest without its files."""
+    try:
+        (path / MANIFEST_NAME).unlink()
+        _fsync_dir(path)
+    except FileNotFoundError:
+        pass
+    if path.exists():
+        shutil.rmtree(path)

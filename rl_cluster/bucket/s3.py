@@ -1,0 +1,168 @@
+"""The s3 backend: a bucket at `s3://bucket/prefix` on any S3-compatible store, reached with s3fs.
+
+An S3 PUT is atomic, so a directory is committed by uploading its files and then its manifest: the
+manifest's presence is the commit. Readers cannot hand vLLM an s3:// path, so `fetch` copies a directory
+into a local cache (`cache/<rel>`, the bucket's own layout) that is a directory store: the download is
+committed there the same way, and a cached copy is verified again before it is used.
+
+One retry loop (the policy's) wraps each request; s3fs's and botocore's own retries are off, so that
+"bounded" means what it says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rl_cluster.bucket.directory import DirectoryStore, write_synced
+from rl_cluster.bucket.store import Digests, Manifest, RetryPolicy, Store
+from rl_cluster.core.manifest import MANIFEST_NAME, check_files, manifest_to_json, sha256_of
+from rl_cluster.errors import AdapterRejected
+
+log = logging.getLogger(__name__)
+# The cache is a local disk: an error there says nothing about reachability, so it is not retried.
+_LOCAL = RetryPolicy(attempts=1)
+
+
+class S3Store(Store):
+    def __init__(self, uri: str, policy: RetryPolicy, endpoint_url: str | None, timeout_s: float):
+        self.root = uri.removeprefix("s3://").strip("/")  # `bucket/prefix`, as s3fs names paths
+        if not self.root or ".." in self.root.split("/"):
+            raise ValueError(f"bucket uri {uri!r} must look like s3://bucket[/prefix]")
+        super().__init__(f"s3://{self.root}", policy)
+        self.endpoint_url = endpoint_url
+        self.timeout_s = timeout_s
+        self._fs: Any = None  # s3fs.S3FileSystem, made on first use (and not pickled: see __getstate__)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Buckets travel to Ray actors; each process makes its own S3 client (they hold event loops).
+        return {**self.__dict__, "_fs": None}
+
+    @property
+    def fs(self) -> Any:
+        """The s3fs filesystem."""
+        if self._fs is None:
+            import s3fs  # only s3 users pay for the import
+
+            client_kwargs = {"endpoint_url": self.endpoint_url, "region_name": "us-east-1"}
+            self._fs = s3fs.S3FileSystem(
+                client_kwargs=client_kwargs if self.endpoint_url else {},
+                config_kwargs={
+                    "connect_timeout": self.timeout_s,
+                    "read_timeout": self.timeout_s,
+                    "retries": {"mode": "standard", "total_max_attempts": 1},
+                },
+                use_listings_cache=False,  # a cached listing would hide new versions
+                skip_instance_cache=True,
+            )
+            self._fs.retries = 1
+        return self._fs
+
+    def _key(self, rel: str) -> str:
+        return f"{self.root}/{rel}"
+
+    def uri_of(self, rel: str) -> str:
+        return f"s3://{self._key(rel)}"
+
+    def locate(self, uri: str, what: str) -> list[str]:
+        if not uri.startswith("s3://"):
+            raise AdapterRejected(f"{uri}: not an s3:// URI, but the bucket is {self.uri}")
+        parts = uri.removeprefix("s3://").rstrip("/").split("/")
+        if any(part in ("", ".", "..") for part in parts):
+            raise AdapterRejected(f"{uri}: empty, '.' or '..' path segments are refused")
+        root = self.root.split("/")
+        if parts[: len(root)] != root:
+            raise AdapterRejected(f"{uri}: outside the bucket root {self.uri}")
+        return parts[len(root) :]
+
+    def _exists(self, key: str) -> bool:
+        """Whether an object exists: one HEAD (s3fs's `exists`/`info` also list the prefix on a miss)."""
+        bucket, name, _ = self.fs.split_path(key)
+        try:
+            self.fs.call_s3("head_object", Bucket=bucket, Key=name)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def publish(self, rel: str, files: Sequence[Path], manifest_for: Callable[[Digests], bytes]) -> None:
+        key = self._key(rel)
+        manifest_key = f"{key}/{MANIFEST_NAME}"
+        if self._retry(f"check {manifest_key}", self._exists, manifest_key):
+            raise FileExistsError(f"{self.uri_of(rel)} is already published")
+        try:
+            digests = {}
+            for src in files:
+                data = src.read_bytes()  # one read: what is hashed is exactly what is uploaded
+                digests[src.name] = sha256_of([data])
+                self._retry(f"upload {key}/{src.name}", self.fs.pipe_file, f"{key}/{src.name}", data)
+            self._retry(f"commit {manifest_key}", self.fs.pipe_file, manifest_key, manifest_for(digests))
+        except BaseException:
+            # Files without a manifest are invisible to readers already; tidy up if the bucket lets us.
+            try:
+                self.delete(rel)
+            except Exception as e:
+                log.warning("could not remove the unfinished %s: %s", self.uri_of(rel), e)
+            raise
+
+    def committed(self, parent: str) -> list[str]:
+        prefix = self._key(parent)
+        try:
+            keys = self._retry(f"list {prefix}", self.fs.find, prefix)
+        except FileNotFoundError:
+            return []
+        names = set()
+        for key in keys:
+            parts = key[len(prefix) + 1 :].split("/")
+            if len(parts) == 2 and parts[1] == MANIFEST_NAME:
+                names.add(parts[0])
+        return sorted(names)
+
+    def fetch(self, rel: str, manifest: Manifest, cache: Path) -> Path:
+        local = DirectoryStore(str(cache), _LOCAL)
+        if local.is_committed(rel):
+            try:
+                return local.fetch(rel, manifest, cache)
+            except AdapterRejected as e:
+                log.warning("cached copy %s is bad (%s); downloading it again", local.uri_of(rel), e)
+                local.delete(rel)
+        try:
+            local.commit(rel, lambda tmp: self._download(rel, manifest, tmp))
+        except OSError:
+            if not local.is_committed(rel):
+                raise
+            # Another process on this node fetched it first; its copy passed the same checks.
+        return Path(local.uri_of(rel)).resolve()
+
+    def _download(self, rel: str, manifest: Manifest, tmp: Path) -> bytes:
+        """Download the files `manifest` lists into `tmp`, check them, and return the manifest to commit
+        the copy with."""
+        key = self._key(rel)
+        observed: dict[str, tuple[int, str] | None] = {}
+        for file in manifest["files"]:
+            try:
+                data = self._retry(f"download {key}/{file}", self.fs.cat_file, f"{key}/{file}")
+            except FileNotFoundError:
+                observed[file] = None
+                continue
+            write_synced(tmp / file, data)
+            observed[file] = sha256_of([data])
+        check_files(manifest, observed)
+        return manifest_to_json(manifest).encode()
+
+    def delete(self, rel: str) -> None:
+        self._retry(f"delete {self._key(rel)}", self._remove, self._key(rel))
+
+    def _remove(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(f"{key}/{MANIFEST_NAME}")  # first: the directory stops existing for readers
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(key, recursive=True)
+
+    def read(self, rel: str) -> bytes:
+        return self._retry(f"read {self._key(rel)}", self.fs.cat_file, self._key(rel))
+
+    def write(self, rel: str, data: bytes) -> None:
+        self._retry(f"write {self._key(rel)}", self.fs.pipe_file, self._key(rel), data)

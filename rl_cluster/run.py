@@ -1,0 +1,212 @@
+"""A run, start to end: what `jobs/train_grpo.py` and `jobs/serve.py` do once they parsed their arguments.
+
+    train(config) -> summary      the whole training run; `exit_status(summary)` is the process's status
+    serve(config)                 the generators behind the proxy until SIGINT / SIGTERM
+
+A run ends in one of three ways, and writes `summary.json` in each: finished, stopped (SIGTERM from `ray
+job stop`, or Ctrl-C) or failed (an exception anywhere). The summary is written *before* the actors are
+stopped: `ray job stop` SIGKILLs the driver a few seconds after its SIGTERM (RAY_JOB_STOP_WAIT_TIME_S,
+3 s by default), and then the vLLM servers are ended by their watchdogs, but nothing would write what
+the run did. Everything heavy (Ray, torch via the actors) is imported inside the functions, so a
+config error is reported before any of it loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Awaitable
+
+from rl_cluster.config import RunConfig
+from rl_cluster.core.summary import NEVER_DEDUPLICATED, exit_status, summarize, summary_table
+
+# Read by Ray when it is imported (below, inside the functions): every progress line reaches the logs.
+os.environ.setdefault("RAY_DEDUP_LOGS_ALLOW_REGEX", NEVER_DEDUPLICATED)
+
+# Bounded waits for what the summary needs from actors that may be busy or gone.
+REPORT_TIMEOUT_S = 20.0
+
+
+class RunStopped(Exception):
+    """SIGTERM or SIGINT arrived: end the run, keep what it did."""
+
+
+def _on_signals(callback) -> None:
+    """Call `callback` on SIGINT or SIGTERM. After ray.init: it installs a SIGTERM handler of its own
+    (sys.exit), which would skip every cleanup."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, callback)
+
+
+def _cancel_once(task: asyncio.Task):
+    """The first signal cancels the run; later ones must not interrupt its cleanup."""
+
+    def cancel() -> None:
+        if not task.cancelling():
+            task.cancel()
+        else:
+            print("already stopping: summary first, then every process", flush=True)
+
+    return cancel
+
+
+async def _bounded(awaitable: Awaitable, default):
+    """What an actor call returns, or `default` when the actor is gone or does not answer in time."""
+    try:
+        return await asyncio.wait_for(awaitable, REPORT_TIMEOUT_S)
+    except Exception as e:
+        print(f"  (could not collect it: {type(e).__name__}: {e})", flush=True)
+        return default
+
+
+def check_fresh_run_name(bucket, run_name: str) -> None:
+    if bucket.list_versions(run_name, run_name):
+        raise SystemExit(
+            f"{bucket.run_uri(run_name)} already holds adapters of a run named {run_name!r}: adapter names are "
+            "never reused (vLLM keys its prefix cache by name). Pick another run_name."
+        )
+
+
+def log_dir_for(config: RunConfig) -> str:
+    return os.path.abspath(os.path.join(".cache", "logs", config.run_name))
+
+
+async def train(config: RunConfig) -> dict:
+    """Launch the generators and the proxy, train, summarise, stop everything. Never leaves a process."""
+    import ray
+
+    from rl_cluster.bucket import Bucket
+    from rl_cluster.cluster import RunSecrets, connect, launch
+    from rl_cluster.plots import curves_png
+    from rl_cluster.trainer.actor import TrainerActor
+
+    bucket = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url)
+    check_fresh_run_name(bucket, config.run_name)
+    # SecretStr fields dump as '**********': the resolved config holds no token.
+    bucket.write_text(config.run_name, "config.resolved.json", config.model_dump_json(indent=2))
+    start = time.time()
+    status, error, cluster = "finished", None, None
+    result = {"history": [], "syncs": [], "checkpoints": []}
+    try:
+        loopback = connect(config)
+        _on_signals(_cancel_once(asyncio.current_task()))
+        secrets = RunSecrets.for_run(config)
+        print(
+            f"run {config.run_name}: starting {config.generator.replicas} generators and the proxy",
+            flush=True,
+        )
+        cluster = await launch(config, log_dir_for(config), secrets, loopback=loopback)
+        print(
+            f"proxy listening on {cluster.proxy_url}; generators ready after {time.time() - start:.0f}s",
+            flush=True,
+        )
+        cluster.trainer = TrainerActor.options(
+            name=f"{config.run_name}-trainer",
+            num_cpus=config.trainer.num_cpus,
+            num_gpus=config.trainer.num_gpus,
+            resources={"trainer": 1},
+        ).remote(config, cluster.proxy_url, secrets.proxy_token, secrets.replica_key)
+        cluster.placement["trainer"] = await cluster.trainer.placement.remote()
+        for actor, where in cluster.placement.items():
+            print(f"  {actor:<14} on {where['address']}", flush=True)
+        result = await cluster.trainer.train.remote()
+    except asyncio.CancelledError:
+        asyncio.current_task().uncancel()  # the stop is handled here; the cleanup's awaits must run
+        status = "stopped"
+        print(f"\nrun {config.run_name}: stop requested; collecting what it did, then stopping", flush=True)
+    except Exception as e:
+        status, error = "failed", f"{type(e).__name__}: {e}"
+        print(f"\nrun {config.run_name} failed: {error}", flush=True)
+    stats: dict = {}
+    try:
+        if cluster is not None:
+            if status != "finished" and cluster.trainer is not None:
+                result = await _bounded(cluster.trainer.report.remote(), result)
+            stats = await _bounded(cluster.proxy.stats.remote(), {})
+        summary = summarize(
+            result,
+            stats,
+            time.time() - start,
+            status=status,
+            error=error,
+            placement=cluster.placement if cluster else {},
+        )
+        summary["run_name"] = config.run_name
+        bucket.write_text(config.run_name, "summary.json", json.dumps(summary, indent=2))
+        if result["history"]:
+            bucket.write_bytes(config.run_name, "curves.png", curves_png(result["history"], config.run_name))
+    finally:
+        if cluster is not None:
+            await cluster.shutdown()
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+    print(f"\nrun {config.run_name} {status}\n{summary_table(summary)}", flush=True)
+    print(
+        f"\nwritten to {bucket.run_uri(config.run_name)}/ (summary.json, metrics.jsonl, curves.png)",
+        flush=True,
+    )
+    return summary
+
+
+def train_main(config: RunConfig) -> int:
+    summary = asyncio.run(train(config))
+    code = exit_status(summary, config.check.tolerance)
+    if code == 2:
+        print(
+            f"FAILED: served-vs-trained logprob gap {summary['served_vs_trained_gap']} exceeds "
+            f"{config.check.tolerance}",
+            flush=True,
+        )
+    return code
+
+
+async def serve(config: RunConfig) -> None:
+    """The generators behind the proxy until SIGINT or SIGTERM; then every process it started stops."""
+    import ray
+
+    from rl_cluster.cluster import RunSecrets, connect, launch
+
+    stop = asyncio.Event()
+    loopback = connect(config)
+    _on_signals(stop.set)
+    # Off loopback the control routes always need a token; a generated one is written to a file.
+    secrets = RunSecrets.for_run(config, generate_token=not loopback)
+    try:
+        # A signal during the ~30 s start cancels it; launch() shuts down what it started when cancelled.
+        launching = asyncio.create_task(launch(config, log_dir_for(config), secrets, loopback=loopback))
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({launching, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not launching.done():
+            launching.cancel()
+            await asyncio.gather(launching, return_exceptions=True)
+            return
+        stopping.cancel()
+        cluster = launching.result()
+        try:
+            print(f"proxy listening on {cluster.proxy_url}", flush=True)
+            if secrets.proxy_token and not config.proxy.auth_token:
+                print(
+                    f"control-route token in {write_token_file(config.run_name, secrets.proxy_token)}",
+                    flush=True,
+                )
+            await stop.wait()
+            print("stopping: shutting down the generators and the proxy", flush=True)
+        finally:
+            await cluster.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def write_token_file(run_name: str, token: str) -> str:
+    """A generated proxy token goes into a file only its owner can read, never onto the terminal."""
+    path = os.path.abspath(os.path.join(".cache", "tokens", run_name))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return path

