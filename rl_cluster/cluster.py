@@ -146,6 +146,16 @@ class Cluster:
         finally:
             ray.kill(actor)
 
+    async def replica_restarts(self) -> dict[str, int]:
+        """Restarts of each replica's vLLM server so far (a generator that does not answer counts None)."""
+        counts = await asyncio.gather(
+            *(asyncio.wait_for(g.restart_count.remote(), 10) for g in self.generators.values()),
+            return_exceptions=True,
+        )
+        return {
+            rid: n if isinstance(n, int) else None for rid, n in zip(self.generators, counts, strict=True)
+        }
+
     async def shutdown(self) -> None:
         """Generators leave the proxy and stop their vLLM servers, then the proxy stops, then the actors
         are killed. Best effort at each stage: a failure must not leave the rest running."""

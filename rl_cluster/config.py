@@ -119,6 +119,11 @@ class GeneratorConfig(Section):
     """On CPU, bind replica i's engine to core i mod cores, so two engines do not share a core."""
     startup_timeout_s: float = Field(300.0, gt=0)
     """Seconds a vLLM server may take to answer /health before the run fails."""
+    max_restarts: int = Field(3, ge=0)
+    """Times a replica's vLLM server is restarted in place after it died (or stopped answering /health)
+    during a run; after that the replica stays out of routing and the others carry on."""
+    restart_backoff_s: float = Field(2.0, gt=0)
+    """Wait before the first restart of a replica; doubled for each further one (at most 60 s)."""
     extra_args: list[str] = []
     """Extra `vllm serve` flags, passed through unchanged."""
 

@@ -123,11 +123,13 @@ async def train(config: RunConfig) -> dict:
         status, error = "failed", f"{type(e).__name__}: {e}"
         print(f"\nrun {config.run_name} failed: {error}", flush=True)
     stats: dict = {}
+    restarts: dict = {}
     try:
         if cluster is not None:
             if status != "finished" and cluster.trainer is not None:
                 result = await _bounded(cluster.trainer.report.remote(), result)
             stats = await _bounded(cluster.proxy.stats.remote(), {})
+            restarts = await _bounded(cluster.replica_restarts(), {})
         summary = summarize(
             result,
             stats,
@@ -135,6 +137,7 @@ async def train(config: RunConfig) -> dict:
             status=status,
             error=error,
             placement=cluster.placement if cluster else {},
+            replica_restarts=restarts,
         )
         summary["run_name"] = config.run_name
         bucket.write_text(config.run_name, "summary.json", json.dumps(summary, indent=2))

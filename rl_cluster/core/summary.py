@@ -59,6 +59,7 @@ def summarize(
     status: str = "finished",
     error: str | None = None,
     placement: dict | None = None,
+    replica_restarts: dict | None = None,
 ) -> dict:
     """`status`: finished, stopped (a signal, `ray job stop`) or failed (`error` says why); a run that did
     not finish is summarised with what it did. `placement`: actor -> {address, node_id}."""
@@ -85,6 +86,7 @@ def summarize(
         "routing": proxy_stats.get("routing", {}),
         "checkpoints": trainer_result.get("checkpoints", []),
         "placement": placement or {},
+        "replica_restarts": replica_restarts or {},
     }
 
 
@@ -116,6 +118,9 @@ def summary_table(summary: dict) -> str:
     for rid, n in summary["requests"].items():
         loaded = len(summary["versions_loaded"][rid])
         rows.append((f"replica {rid}", f"{n} requests, {loaded} versions loaded"))
+    restarted = {rid: n for rid, n in summary.get("replica_restarts", {}).items() if n}
+    if restarted:
+        rows.append(("replica restarts", ", ".join(f"{rid} {n}" for rid, n in restarted.items())))
     for actor, where in summary.get("placement", {}).items():
         rows.append((f"{actor} on", where["address"]))
     width = max(len(k) for k, _ in rows)

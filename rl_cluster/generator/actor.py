@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from pathlib import Path
 
 import aiohttp
@@ -18,6 +19,7 @@ import ray
 from rl_cluster.bucket import Bucket, apply_cache_retention
 from rl_cluster.config import RunConfig
 from rl_cluster.core.manifest import split_adapter_dir_name
+from rl_cluster.core.restarts import RestartBudget
 from rl_cluster.generator.server import ServerSpec, VLLMServer
 from rl_cluster.models import model_fingerprint, resolve_model
 from rl_cluster.proxy.adapter_loader import HttpAdapterLoader
@@ -27,6 +29,11 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+SUPERVISE_INTERVAL_S = 2.0
+UNHEALTHY_CHECKS = 3  # a server busy with long prefills may miss one /health; three in a row is dead
+HEALTH_TIMEOUT = aiohttp.ClientTimeout(total=10)
 
 
 class Generator:
@@ -54,6 +61,9 @@ class Generator:
         self.proxy = None
         self.loaded: set[str] = set()
         self.last_unloaded: str | None = None
+        self.restarts = RestartBudget(config.generator.max_restarts, config.generator.restart_backoff_s)
+        self._supervisor: asyncio.Task | None = None
+        self._stopping = False
 
     async def start(self, replica_index: int, proxy=None) -> str:
         """Start vLLM, wait until healthy, register with `proxy` (which loads every live adapter version
@@ -92,7 +102,75 @@ class Generator:
             me = ray.get_runtime_context().current_actor
             await proxy.add_replica.remote(self.replica_id, self.server.url, ActorAdapterLoader(me))
             self.proxy = proxy
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
         return self.server.url
+
+    # -- supervision: a dead server is restarted in place, bounded ---------------------------------------
+
+    async def _supervise(self) -> None:
+        """Watch the server; when it died (or failed /health UNHEALTHY_CHECKS times in a row), tell the
+        proxy at once (no traffic), restart it on the same port, and hand it back to the proxy, which
+        reloads every live adapter version on it before routing to it again."""
+        failed_checks = 0
+        while not self._stopping:
+            await asyncio.sleep(SUPERVISE_INTERVAL_S)
+            code = self.server.process.poll() if self.server and self.server.process else None
+            if code is not None:
+                reason = f"vLLM server exited with code {code}"
+            else:
+                failed_checks = 0 if await self._healthy() else failed_checks + 1
+                if failed_checks < UNHEALTHY_CHECKS:
+                    continue
+                reason = f"vLLM server failed /health {failed_checks} times in a row"
+            failed_checks = 0
+            try:
+                if self._stopping or not await self._restart(reason):
+                    return
+            except (RuntimeError, TimeoutError) as e:  # it died again while starting: the next round sees it
+                print(f"replica {self.replica_id}: restart failed: {e}", flush=True)
+
+    async def _healthy(self) -> bool:
+        try:
+            async with self._session.get(f"{self.server.url}/health", timeout=HEALTH_TIMEOUT) as response:
+                return response.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def _restart(self, reason: str) -> bool:
+        delay = self.restarts.next_delay(reason)
+        limit = self.config.generator.max_restarts
+        if self.proxy is not None:
+            await self.proxy.report_down.remote(self.replica_id, reason)
+        if delay is None:
+            print(
+                f"replica {self.replica_id}: {reason}; restart budget ({limit}) spent: it stays out",
+                flush=True,
+            )
+            return False
+        print(
+            f"replica {self.replica_id}: {reason}; restart {self.restarts.used}/{limit} in {delay:.0f}s",
+            flush=True,
+        )
+        start = time.monotonic()
+        await asyncio.to_thread(self.server.stop)  # whatever is left of its process group
+        await asyncio.sleep(delay)
+        self.loaded.clear()  # a new server holds no adapter
+        self.server.start()
+        await self.server.wait_healthy(self.config.generator.startup_timeout_s)
+        if self.proxy is not None:
+            await self.proxy.report_back.remote(self.replica_id)
+        print(
+            f"replica {self.replica_id}: serving again {time.monotonic() - start:.0f}s after the crash",
+            flush=True,
+        )
+        return True
+
+    def restart_count(self) -> int:
+        return self.restarts.used
+
+    def server_pgid(self) -> int | None:
+        """The vLLM server's process group (tests kill its members to play a crash)."""
+        return self.server.process.pid if self.server and self.server.process else None
 
     def placement(self) -> dict:
         from rl_cluster.cluster import node_placement
@@ -137,6 +215,9 @@ class Generator:
     async def shutdown(self, drain_timeout_s: float = 30.0) -> None:
         """Leave the proxy (it stops routing here and waits, bounded, for in-flight requests), then stop
         vLLM. Leaving first keeps the proxy from seeing a replica fail its health check."""
+        self._stopping = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
         if self.proxy is not None:
             try:
                 await self.proxy.remove_replica.remote(self.replica_id, drain_timeout_s)

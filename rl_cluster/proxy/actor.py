@@ -63,6 +63,12 @@ class ProxyActor:
     async def remove_replica(self, replica_id: str, drain_timeout_s: float = 300.0) -> None:
         await self._server.remove_replica(replica_id, drain_timeout_s)
 
+    async def report_down(self, replica_id: str, reason: str) -> None:
+        self._server.report_down(replica_id, reason)
+
+    async def report_back(self, replica_id: str) -> None:
+        await self._server.report_back(replica_id)
+
     async def placement(self) -> dict:
         from rl_cluster.cluster import node_placement
 

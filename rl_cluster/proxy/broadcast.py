@@ -2,7 +2,9 @@
 
 Each replica retries "not found" (a bucket mount that lags) until a deadline; any other failure stops
 the others' retries, and the replicas that did load it unload it again, so a version is either routable
-everywhere or nowhere.
+everywhere or nowhere. "Everywhere" means every replica that is up: one that fails because it is down
+(its health check fails too) leaves routing and loads the version when it catches up on return; it
+must not fail the sync for the others.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from rl_cluster.errors import AdapterNotFound, AdapterRejected
 from rl_cluster.proxy.adapter_loader import AdapterLoader
@@ -76,16 +78,32 @@ async def load_everywhere(
     loaded: Callable[[str], None],
     holders: Callable[[], list[str]],
     unloaded: Callable[[str], None],
+    down: Callable[[str, BaseException], Awaitable[bool]] | None = None,
 ) -> None:
-    """Load on every replica of `loaders` concurrently, calling `loaded(replica)` for each success. On any
-    failure, unload from `holders()` (calling `unloaded(replica)` for each) and raise LoadFailed."""
+    """Load on every replica of `loaders` concurrently, calling `loaded(replica)` for each success. A
+    replica that fails and is `down(replica, error)` (which takes it out of routing) is left out. On any
+    other failure, or when every replica is down, unload from `holders()` (calling `unloaded(replica)`
+    for each) and raise LoadFailed."""
     give_up = asyncio.Event()
+    left_out: dict[str, BaseException] = {}
 
     async def load_one(replica_id: str) -> None:
         try:
             await load_with_retry(
                 loaders[replica_id], name, path, retry_s=retry_s, deadline_s=deadline_s, give_up=give_up
             )
+        except Exception as e:
+            # A refusal is the adapter's fault, whatever the replica's health: never left out.
+            if (
+                down is not None
+                and not isinstance(e, (AdapterNotFound, AdapterRejected))
+                and await down(replica_id, e)
+            ):
+                left_out[replica_id] = e
+                logger.warning("replica %s is down; adapter %s goes on without it: %s", replica_id, name, e)
+                return
+            give_up.set()
+            raise
         except BaseException:
             give_up.set()
             raise
@@ -94,8 +112,9 @@ async def load_everywhere(
     targets = list(loaders)
     results = await asyncio.gather(*(load_one(r) for r in targets), return_exceptions=True)
     failures = {r: e for r, e in zip(targets, results, strict=True) if isinstance(e, BaseException)}
-    if not failures:
+    if not failures and len(left_out) < len(targets):
         return
+    failures = failures or left_out
     rolled_back = []
     for replica_id in [r for r in holders() if r in loaders]:
         try:

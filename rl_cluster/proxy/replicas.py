@@ -213,6 +213,29 @@ class ReplicaPool:
         if self.book.mark_unhealthy(replica_id):
             logger.warning("replica %s left routing: %s", replica_id, reason)
 
+    def report_down(self, replica_id: str, reason: str) -> None:
+        if replica_id in self.replicas:
+            self._mark_unhealthy(replica_id, reason)
+
+    async def report_back(self, replica_id: str) -> None:
+        """Catch a restarted replica up now (a restart can be quicker than the health-check interval, and
+        the new server holds none of the adapters the book says it has)."""
+        replica = self.replicas.get(replica_id)
+        if replica is None or replica_id in self._recovering:
+            return  # gone, or a health check already found the new server and is catching it up
+        self._mark_unhealthy(replica_id, "its server was restarted")
+        self._recovering.add(replica_id)
+        await self._recover(replica)
+
+    async def _down(self, replica_id: str, error: BaseException) -> bool:
+        """During a broadcast: is the replica that failed it down? Then it leaves routing (and catches up
+        when it is back) instead of failing the broadcast for the replicas that are fine."""
+        replica = self.replicas.get(replica_id)
+        problem = "removed" if replica is None else await self._probe(replica)
+        if problem and replica is not None:
+            self._mark_unhealthy(replica_id, f"{type(error).__name__}: {error}; health check: {problem}")
+        return problem is not None
+
     async def replica_failed(self, failure: ReplicaFailed) -> bool:
         """After a failed generation: is the replica down? Down ones leave routing at once."""
         replica = self.replicas.get(failure.replica_id)
@@ -307,12 +330,14 @@ class ReplicaPool:
                     loaded=lambda r: self.book.mark_loaded(r, name) if r in self.replicas else None,
                     holders=lambda: self.book.holders(name),
                     unloaded=lambda r: self.book.mark_unloaded(r, name),
+                    down=self._down,
                 )
             finally:
                 self.latency.observe("load", time.monotonic() - start)
             self.book.publish(name, path)
-        logger.info("adapter %s routable on %s", name, targets)
-        return targets
+        routable_on = [r for r in targets if name in self.book.loaded_on(r)]
+        logger.info("adapter %s routable on %s", name, routable_on)
+        return routable_on
 
     async def close(self, name: str) -> bool:
         """Close `name` to new requests; each replica unloads it once nothing for it is in flight there.

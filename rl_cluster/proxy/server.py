@@ -139,6 +139,14 @@ class ProxyServer:
         """Stop routing to the replica, wait (bounded) for its in-flight requests, then forget it."""
         await self._pool.remove(replica_id, drain_timeout_s)
 
+    def report_down(self, replica_id: str, reason: str) -> None:
+        """The replica's own supervisor saw its server die: out of routing now, not at the next check."""
+        self._pool.report_down(replica_id, reason)
+
+    async def report_back(self, replica_id: str) -> None:
+        """The replica's server was restarted: reload every live version on it, then route to it again."""
+        await self._pool.report_back(replica_id)
+
     async def check_health(self) -> None:
         """One round: active replicas that fail leave routing; unhealthy ones that answer catch up again."""
         await self._pool.check_health()

@@ -125,10 +125,14 @@ class Trainer:
     # -- training --------------------------------------------------------------------------------------
     def train(self) -> dict:
         from peft import LoraConfig
-        from transformers import PrinterCallback
         from trl.experimental.async_grpo import AsyncGRPOConfig
 
-        from rl_cluster.trainer.compat import apply_trainer_workarounds, training_precision_kwargs
+        from rl_cluster.trainer.compat import (
+            apply_trainer_workarounds,
+            pipeline_limits,
+            quiet_default_printer,
+            training_precision_kwargs,
+        )
         from rl_cluster.trainer.grpo import BucketSyncTrainer, CheckpointPublisher, StepReporter
 
         apply_trainer_workarounds()
@@ -149,10 +153,7 @@ class Trainer:
             max_completion_length=t.max_new_tokens,
             temperature=t.temperature,
             max_staleness=t.max_staleness,
-            queue_maxsize=t.completions_per_step * t.queue_steps,
-            # A sample waits behind everything queued and in flight; keep that under max_staleness steps'
-            # worth, or most of what is generated is dropped as stale (TRL's default allows more).
-            max_inflight_tasks=t.completions_per_step * max(1, t.max_staleness - t.queue_steps),
+            **pipeline_limits(t.completions_per_step, t.queue_steps, t.max_staleness),
             weight_sync_steps=t.sync_every,
             max_steps=t.max_steps,
             seed=t.seed,
@@ -189,8 +190,7 @@ class Trainer:
             keep_every=c.bucket.keep_every,
             on_sync=self._on_sync,
         )
-        # Our StepReporter prints one line per step; the default printer would add a dict per step.
-        self.trainer.remove_callback(PrinterCallback)
+        quiet_default_printer(self.trainer)
         tokenizer = self.trainer.processing_class
         self._check_prompt_ids = tokenizer.apply_chat_template(
             dataset[0]["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False

@@ -9,10 +9,10 @@ template mismatch) and every importance ratio of the run is wrong.
 
 from __future__ import annotations
 
-import contextlib
-
 import requests
 import torch
+
+from rl_cluster.trainer.compat import plain_attention
 
 
 def sample_from_replica(url: str, adapter: str, prompt_ids: list[int], n: int, max_tokens: int,
@@ -40,18 +40,6 @@ def sample_from_replica(url: str, adapter: str, prompt_ids: list[int], n: int, m
         for c in response.json()["choices"]
         if c["token_ids"]
     ]
-
-
-@contextlib.contextmanager
-def plain_attention(model):
-    """Run a model built with TRL's packed tree attention with standard SDPA attention for a moment."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    previous = inner.config._attn_implementation
-    inner.set_attn_implementation("sdpa")
-    try:
-        yield
-    finally:
-        inner.set_attn_implementation(previous)
 
 
 @torch.no_grad()

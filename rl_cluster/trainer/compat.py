@@ -22,10 +22,21 @@ unpatched code fails on a CPU machine) and that the replacement is correct.
    sync in between splits the group across two adapters: two prompt prefixes (so two replicas and two
    KV caches), and samples of a newer policy scored as older ones. `GroupPinnedRolloutLoop` asks for
    the group's own version for all its samples, to the last token.
+7. The trainer's model runs TRL's packed "tree" attention, which needs packing metadata
+   (`tree_kv_index`, ...) on every forward: a plain forward (the served-vs-trained check scores whole
+   sequences) fails with a TypeError. `plain_attention` switches the model to SDPA for a moment.
+8. TRL's default pipeline limits let generation run ahead of training: `queue_maxsize` 1024 samples
+   and `max_inflight_tasks` max_staleness steps' worth *on top of* the queue, so a sample can wait
+   behind more than max_staleness steps of work and is then dropped as stale. `pipeline_limits` keeps
+   queued + in flight within the staleness window.
+9. TRL's default PrinterCallback prints every step's whole log dict (our StepReporter prints one line
+   per step), and the closing log of `train()` repeats the last step with runtime totals, which must
+   not count as a step of its own (`is_step_log`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 
 import torch
@@ -166,3 +177,36 @@ def pin_group_versions(trainer, window: int) -> None:
         raise RuntimeError(f"pin_group_versions would replace a custom rollout loop {worker._loop_cls!r}")
     worker._loop_cls = GroupPinnedRolloutLoop
     worker._loop_kwargs["pinned_window"] = window
+
+
+@contextlib.contextmanager
+def plain_attention(model):
+    """Run a model built with TRL's packed tree attention with standard SDPA attention for a moment (item 7)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    previous = inner.config._attn_implementation
+    inner.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        inner.set_attn_implementation(previous)
+
+
+def pipeline_limits(completions_per_step: int, queue_steps: int, max_staleness: int) -> dict:
+    """AsyncGRPOConfig's queue and in-flight bounds (item 8): a sample waits behind everything queued and
+    in flight; keep that under max_staleness steps' worth, or most of what is generated goes stale."""
+    return {
+        "queue_maxsize": completions_per_step * queue_steps,
+        "max_inflight_tasks": completions_per_step * max(1, max_staleness - queue_steps),
+    }
+
+
+def quiet_default_printer(trainer) -> None:
+    """Drop TRL's per-step dict printer (item 9): the run prints its own progress line per step."""
+    from transformers import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
+
+
+def is_step_log(logs: dict | None) -> bool:
+    """False for the closing log of `train()` (runtime totals, repeating the last step) (item 9)."""
+    return bool(logs) and "train_runtime" not in logs

@@ -25,7 +25,7 @@ from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer, sav
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.core.manifest import adapter_dir_name, split_adapter_dir_name
-from rl_cluster.trainer.compat import bound_score_queue, name_run_adapters, pin_group_versions
+from rl_cluster.trainer.compat import bound_score_queue, is_step_log, name_run_adapters, pin_group_versions
 from rl_cluster.trainer.proxy_client import ProxyClient
 
 
@@ -120,8 +120,7 @@ class StepReporter(TrainerCallback):
         self.report = report
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        # The closing log of `train()` (runtime totals) repeats the last step: not a step of its own.
-        if logs and "train_runtime" not in logs:
+        if is_step_log(logs):
             self.report(state.global_step, dict(logs))
 
 

@@ -207,3 +207,50 @@ def test_trl_names_every_runs_adapters_alike_and_queues_16_groups(tiny_model_dir
     assert run_a._lora_name == "run-a"  # the trainer publishes <run>-vN (BucketSyncTrainer._sync_weight_lora)
     assert (loop_a._request_model, loop_b._request_model) == ("run-a-v3", "run-b-v0")
     assert loop_a._groups_to_score.maxsize == 2
+
+
+def test_trl_tree_attention_cannot_run_a_plain_forward(tiny_model_dir):
+    """The served-vs-trained check scores whole sequences without packing metadata (item 7)."""
+    from transformers import AutoModelForCausalLM
+
+    compat.apply_trainer_workarounds()
+    model = build_trainer(tiny_model_dir, grpo_args(**compat.training_precision_kwargs())).model
+    input_ids = torch.tensor([[3, 5, 7, 9, 11]])
+    with pytest.raises(TypeError, match="tree_kv_index"), torch.no_grad():
+        model(input_ids=input_ids)
+    with compat.plain_attention(model), torch.no_grad():
+        logits = model(input_ids=input_ids).logits
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    with torch.no_grad():  # the adapter is zero at init: the base model's logits
+        torch.testing.assert_close(logits, reference(input_ids=input_ids).logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(TypeError, match="tree_kv_index"), torch.no_grad():
+        model(input_ids=input_ids)  # back to TRL's attention afterwards
+
+
+def test_trl_default_pipeline_outruns_the_staleness_window():
+    """TRL's defaults queue 1024 samples and put max_staleness steps in flight beyond them (item 8)."""
+    args = grpo_args(**compat.training_precision_kwargs())
+    steps_ahead = (args.queue_maxsize + args.max_staleness * args.per_device_train_batch_size) / 8
+    assert (args.queue_maxsize, args.max_inflight_tasks) == (1024, -1)  # -1: max_staleness steps' worth
+    assert steps_ahead > args.max_staleness
+    limits = compat.pipeline_limits(completions_per_step=32, queue_steps=1, max_staleness=2)
+    assert limits == {"queue_maxsize": 32, "max_inflight_tasks": 32}
+    assert (limits["queue_maxsize"] + limits["max_inflight_tasks"]) / 32 <= 2
+
+
+def test_trl_prints_every_log_dict_and_closes_with_a_totals_log(tiny_model_dir):
+    from transformers import PrinterCallback
+
+    compat.apply_trainer_workarounds()
+    # disable_tqdm, as the trainer runs (TRL's progress bar does not reach Ray job logs): then the
+    # transformers Trainer prints every log dict instead.
+    trainer = build_trainer(
+        tiny_model_dir, grpo_args(disable_tqdm=True, **compat.training_precision_kwargs())
+    )
+    printers = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, PrinterCallback)]
+    assert len(printers) == 1
+    compat.quiet_default_printer(trainer)
+    assert not [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, PrinterCallback)]
+    assert compat.is_step_log({"loss": 0.1, "reward": 0.5})
+    assert not compat.is_step_log({"train_runtime": 12.0, "train_loss": 0.1})  # what train() logs last
+    assert not compat.is_step_log({})

@@ -62,9 +62,11 @@ def test_a_run_that_did_not_finish_is_summarised_with_what_it_did():
         "trainer": {"address": "10.0.0.2", "node_id": "n2"},
         "proxy": {"address": "10.0.0.1", "node_id": "n1"},
     }
-    s = summarize(result, {}, 5.0, status="stopped", placement=placement)
+    s = summarize(result, {}, 5.0, status="stopped", placement=placement, replica_restarts={"g0": 2, "g1": 0})
     assert (s["status"], s["steps"], s["requests"]) == ("stopped", 3, {})
     assert s["placement"]["trainer"]["address"] == "10.0.0.2"
+    assert s["replica_restarts"] == {"g0": 2, "g1": 0}
+    assert "replica restarts       g0 2" in summary_table(s)
     table = summary_table(s)
     assert "status                 stopped" in table and "trainer on             10.0.0.2" in table
     failed = summarize(result, {}, 5.0, status="failed", error="RuntimeError: boom")

@@ -1,0 +1,81 @@
+"""A replica whose vLLM server dies is restarted in place and caught up, and a sync meanwhile goes on
+without it: real Ray actors, real vLLM CPU servers, the run's keys, a directory bucket."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import aiohttp
+import pytest
+from conftest import publish_lora, tiny_run_config, wait_until_no_vllm_with
+
+from rl_cluster.bucket import Bucket
+from rl_cluster.cluster import RunSecrets, launch
+
+pytestmark = pytest.mark.vllm
+
+
+async def wait_for(what, predicate, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while not (value := await predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(1)
+    return value
+
+
+async def test_a_killed_server_is_restarted_caught_up_and_serves_again(marked_ray, tiny_model_dir, tmp_path):
+    run = "restart-test"
+    config = tiny_run_config(run, tiny_model_dir, tmp_path)
+    config.generator.replicas = 2
+    config.generator.restart_backoff_s = 1.0
+    bucket = Bucket(config.bucket.uri)
+    v1, v2 = (publish_lora(bucket, run, v, tiny_model_dir, tmp_path) for v in (1, 2))
+    secrets = RunSecrets.for_run(config)
+    control = {"Authorization": f"Bearer {secrets.proxy_token}"}
+    cluster = await launch(config, str(tmp_path / "logs"), secrets)
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def load(name, uri):
+                body = {"lora_name": name, "lora_path": uri}
+                async with http.post(
+                    f"{cluster.proxy_url}/v1/load_lora_adapter", json=body, headers=control
+                ) as r:
+                    return r.status, await r.text()
+
+            async def replicas():
+                return (await cluster.proxy.stats.remote())["replicas"]
+
+            assert (await load(f"{run}-v1", v1))[0] == 200
+
+            # A crash: the whole vLLM process tree of g0 is SIGKILLed.
+            crashed = time.monotonic()
+            os.killpg(await cluster.generators["g0"].server_pgid.remote(), signal.SIGKILL)
+
+            # A sync while g0 is down goes on without it (it may not have noticed the crash yet).
+            status, text = await load(f"{run}-v2", v2)
+            assert status == 200, text
+            assert (await replicas())["g0"]["state"] != "active"
+
+            # g0 comes back, loads every live version before it is active again, and serves.
+            async def g0_back():
+                g0 = (await replicas())["g0"]
+                return g0["state"] == "active" and {f"{run}-v1", f"{run}-v2"} <= set(g0["adapters_loaded"])
+
+            await wait_for("g0 to be active with v1 and v2", g0_back, 240)
+            back_after = time.monotonic() - crashed
+            assert await cluster.generators["g0"].restart_count.remote() == 1
+            served = set()
+            for i in range(12):
+                request = {"model": f"{run}-v2", "prompt": f"{i}+1=", "max_tokens": 2}
+                async with http.post(f"{cluster.proxy_url}/v1/completions", json=request) as r:
+                    assert r.status == 200, await r.text()
+                    served.add(r.headers["X-Proxy-Replica"])
+            assert served == {"g0", "g1"}, served
+            print(f"\ncrash -> serving again: {back_after:.0f} s")
+    finally:
+        await cluster.shutdown()
+    assert not wait_until_no_vllm_with(marked_ray)

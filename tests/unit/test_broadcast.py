@@ -1,0 +1,65 @@
+"""All-or-nothing over the replicas that are up: the broadcast's rules, with in-memory replicas."""
+
+from __future__ import annotations
+
+import pytest
+
+from rl_cluster.errors import AdapterError, AdapterRejected
+from rl_cluster.proxy.broadcast import LoadFailed, load_everywhere
+
+
+class Replica:
+    def __init__(self, fails_with: Exception | None = None):
+        self.fails_with = fails_with
+        self.adapters: set[str] = set()
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        if self.fails_with is not None:
+            raise self.fails_with
+        self.adapters.add(name)
+
+    async def unload_adapter(self, name: str) -> None:
+        self.adapters.discard(name)
+
+
+async def broadcast(replicas: dict[str, Replica], dead: set[str]):
+    loaded: list[str] = []
+    asked: list[str] = []
+
+    async def down(replica_id, error):
+        asked.append(replica_id)
+        return replica_id in dead
+
+    await load_everywhere(
+        "run-v2", "/bucket/run-v2", replicas, retry_s=0.01, deadline_s=0.05,
+        loaded=loaded.append, holders=lambda: list(loaded), unloaded=loaded.remove, down=down,
+    )  # fmt: skip
+    return loaded, asked
+
+
+async def test_a_replica_that_is_down_is_left_out_and_the_load_succeeds():
+    replicas = {"g0": Replica(), "g1": Replica(AdapterError("replica unreachable")), "g2": Replica()}
+    loaded, asked = await broadcast(replicas, dead={"g1"})
+    assert sorted(loaded) == ["g0", "g2"] and asked == ["g1"]
+    assert replicas["g0"].adapters == replicas["g2"].adapters == {"run-v2"}
+
+
+async def test_a_healthy_replica_that_fails_rolls_the_load_back():
+    replicas = {"g0": Replica(), "g1": Replica(AdapterError("HTTP 500"))}
+    with pytest.raises(LoadFailed) as failed:
+        await broadcast(replicas, dead=set())
+    assert failed.value.status == 502 and replicas["g0"].adapters == set()
+
+
+async def test_a_refused_adapter_fails_whatever_the_replicas_health():
+    replicas = {"g0": Replica(), "g1": Replica(AdapterRejected("sha256 mismatch"))}
+    with pytest.raises(LoadFailed) as failed:
+        await broadcast(replicas, dead={"g1"})
+    assert failed.value.status == 400 and "sha256 mismatch" in str(failed.value)
+    assert replicas["g0"].adapters == set()
+
+
+async def test_when_every_replica_is_down_the_load_fails():
+    replicas = {"g0": Replica(AdapterError("unreachable")), "g1": Replica(AdapterError("unreachable"))}
+    with pytest.raises(LoadFailed, match="unreachable"):
+        await broadcast(replicas, dead={"g0", "g1"})
