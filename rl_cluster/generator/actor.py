@@ -88,6 +88,7 @@ class Generator:
             use_gpu=use_gpu,
             gpu_memory_utilization=g.gpu_memory_utilization,
             extra_args=tuple(g.extra_args),
+            served_model_name=model.path,
             api_key=self.api_key,
         )
         self.server = VLLMServer(spec, self.log_dir / f"vllm-{self.replica_id}.log")

@@ -42,6 +42,9 @@ class ServerSpec:
     use_gpu: bool = False
     gpu_memory_utilization: float = 0.9
     extra_args: tuple[str, ...] = field(default_factory=tuple)
+    served_model_name: str | None = None
+    """The base model's name in the API (`--served-model-name`); None: the path. A run names it after
+    `model.path`, so replicas on nodes whose caches lie at different paths still agree."""
     api_key: str | None = field(default=None, repr=False)
     """The run's replica key: every route but /health then needs `Authorization: Bearer <key>`. Passed
     in the environment, not on the command line (vLLM logs its arguments; `ps` shows them)."""
@@ -62,6 +65,8 @@ class ServerSpec:
         ]  # fmt: skip
         if self.use_gpu:
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        if self.served_model_name:
+            cmd += ["--served-model-name", self.served_model_name]
         if self.api_key:
             cmd += ["--middleware", "rl_cluster.generator.vllm_compat.RequireApiKey"]
         return cmd + list(self.extra_args)

@@ -3,8 +3,13 @@ address on a bridge the harness creates, so a server bound to 127.0.0.1 on one n
 from the others, as on a real cluster. (`ray.cluster_utils.Cluster` puts every node on one address and
 one loopback, which hides exactly those bugs.)
 
-All namespaces share the filesystem, so a directory stands in for a bucket every node mounts.
-Traffic stays on the bridge's private /24. `close()` ends every process inside the namespaces (by the
+All namespaces share the filesystem, so a directory stands in for a bucket every node mounts, except
+Ray's own directory: each node's Ray runs with a private /tmp/ray (a bind mount in the mount namespace
+`ip netns exec` gives it), as on separate machines. Shared, the nodes' runtime-env agents unpack and
+garbage-collect the same `runtime_resources/working_dir_files/...` directories: a job's working
+directory vanished under its driver (FileNotFoundError from os.getcwd()), every node's log monitor
+tailed every node's logs (each line four times, wrong `ip=` prefixes), and `ray start --head` wrote the
+machine's `/tmp/ray/ray_current_cluster`. Traffic stays on the bridge's private /24. `close()` ends every process inside the namespaces (by the
 pids `ip netns pids` lists: only what this harness started), deletes links and namespaces, and removes
 the address file `ray start --head` leaves in /tmp/ray; it runs also when a test fails.
 
@@ -17,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,6 +63,7 @@ class NamespaceCluster:
             self.marker[0]: self.marker[1],
         }
         self.env.pop("RAY_ADDRESS", None)
+        self.ray_root = Path(f"/tmp/{self.prefix}-ray")  # <ray_root>/<node> is that node's /tmp/ray
         self._created: list[str] = []
 
     def namespace(self, node: str) -> str:
@@ -105,6 +113,10 @@ class NamespaceCluster:
             raise RuntimeError(f"{cmd} in {node} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
         return done
 
+    def ray_dir(self, node: str) -> Path:
+        """What `node`'s Ray sees as /tmp/ray (its sessions, logs, unpacked working directories)."""
+        return self.ray_root / node
+
     def _start_ray(self) -> None:
         head = self.head_address
         for node, resources in self.nodes.items():
@@ -114,16 +126,21 @@ class NamespaceCluster:
                 cmd = ["ray", "start", "--head", "--port=6379", "--dashboard-host=0.0.0.0", *common]
             else:
                 cmd = ["ray", "start", f"--address={head}:6379", *common]
-            self.run(node, cmd, timeout=180)
+            private = self.ray_dir(node)
+            private.mkdir(parents=True, exist_ok=True)
+            Path("/tmp/ray").mkdir(exist_ok=True)
+            # The bind mount lives in this `ip netns exec`'s mount namespace, which Ray's daemons inherit.
+            script = f"mount --bind {private} /tmp/ray && exec {' '.join(map(shlex.quote, cmd))}"
+            self.run(node, ["sh", "-c", script], timeout=180)
 
     def wait_for_nodes(self, timeout_s: float = 180) -> None:
-        code = "import ray; ray.init(); print(sum(n['Alive'] for n in ray.nodes()))"
+        # Through the dashboard: a driver here would look for the head's sockets in a /tmp/ray it cannot see.
+        code = ("import sys; from ray.util.state import list_nodes; "
+                "print(sum(n.state == 'ALIVE' for n in list_nodes(address=sys.argv[1])))")  # fmt: skip
         deadline = time.monotonic() + timeout_s
         while True:
-            alive = self.run(
-                self.head, ["python", "-c", code], env={"RAY_ADDRESS": f"{self.head_address}:6379"}
-            )
-            if alive.stdout.strip().splitlines()[-1] == str(len(self.nodes)):
+            alive = self.run(self.head, ["python", "-c", code, self.dashboard], check=False)
+            if alive.returncode == 0 and alive.stdout.strip().splitlines()[-1] == str(len(self.nodes)):
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"only {alive.stdout.strip()} of {len(self.nodes)} Ray nodes alive")
@@ -191,6 +208,8 @@ class NamespaceCluster:
                 RAY_ADDRESS_FILE.unlink()
         except OSError:
             pass
+        if not survivors:  # a survivor may still write there; leave it for the report
+            shutil.rmtree(self.ray_root, ignore_errors=True)
         return survivors
 
     def namespaces_left(self) -> list[str]:

@@ -228,7 +228,9 @@ def test_ray_job_submit_across_four_nodes(cluster, hub_env, tmp_path):
     assert summary["served_vs_trained_gap"] is not None and summary["served_vs_trained_gap"] <= 1e-3
 
     # The replica keys never reach a log, the resolved config or the summary.
-    written = [*run_dir.glob("*.json*"), *Path("/tmp/ray/session_latest/logs").rglob("*")]
+    # Every node's Ray directory: its logs, and the job's working directory with the vLLM logs.
+    written = [*run_dir.glob("*.json*"), *(p for node in NODES for p in cluster.ray_dir(node).rglob("*"))]
+    assert any(p.name.startswith("vllm-g") for p in written)  # the scan reaches the replicas' own logs
     for path in written:
         if path.is_file():
             text = path.read_text(errors="replace")

@@ -23,6 +23,19 @@ def test_command_carries_the_lora_and_logprob_flags():
         "--no-enable-prefix-caching" in ServerSpec(model="/m", port=9, enable_prefix_caching=False).command()
     )
     assert "--gpu-memory-utilization" in ServerSpec(model="/m", port=9, use_gpu=True).command()
+    assert "--served-model-name" not in joined
+    named = ServerSpec(
+        model="/cache/snapshots/abc", port=9, served_model_name="Qwen/Qwen2.5-Math-1.5B"
+    ).command()
+    assert named[named.index("--served-model-name") + 1] == "Qwen/Qwen2.5-Math-1.5B"
+
+
+def test_the_key_is_in_the_environment_only():
+    spec = ServerSpec(model="/m", port=9, api_key="s3cret-key")
+    assert "s3cret-key" not in " ".join(spec.command()) and "s3cret-key" not in repr(spec)
+    assert spec.environment()["VLLM_API_KEY"] == "s3cret-key"
+    assert "rl_cluster.generator.vllm_compat.RequireApiKey" in spec.command()
+    assert "VLLM_API_KEY" not in ServerSpec(model="/m", port=9).environment()
 
 
 def test_environment_enables_runtime_lora_and_pins_a_core():
