@@ -103,7 +103,7 @@ def node_placement() -> dict:
     return {"address": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id()}
 
 
-def proxy_options(config: RunConfig) -> dict:
+def proxy_options() -> dict:
     """A node with the `proxy` resource if the cluster has one, else the driver's own node."""
     if any(node["Alive"] and node["Resources"].get("proxy") for node in ray.nodes()):
         return {"resources": {"proxy": 1}}
@@ -191,7 +191,7 @@ async def launch(
     # The proxy refuses adapter paths outside the bucket before any replica sees them.
     adapter_root = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url).uri
     proxy = ProxyActor.options(
-        name=f"{config.run_name}-proxy", num_cpus=config.proxy.num_cpus, **proxy_options(config)
+        name=f"{config.run_name}-proxy", num_cpus=config.proxy.num_cpus, **proxy_options()
     ).remote(
         config.proxy,
         adapter_root=adapter_root,

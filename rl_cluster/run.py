@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import time
+import traceback
 from collections.abc import Awaitable
 
 from rl_cluster.config import RunConfig
@@ -122,6 +123,7 @@ async def train(config: RunConfig) -> dict:
     except Exception as e:
         status, error = "failed", f"{type(e).__name__}: {e}"
         print(f"\nrun {config.run_name} failed: {error}", flush=True)
+        traceback.print_exc()  # the summary keeps the message; the log keeps where it happened
     stats: dict = {}
     restarts: dict = {}
     try:

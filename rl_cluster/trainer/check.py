@@ -12,8 +12,6 @@ from __future__ import annotations
 import requests
 import torch
 
-from rl_cluster.trainer.compat import plain_attention
-
 
 def sample_from_replica(url: str, adapter: str, prompt_ids: list[int], n: int, max_tokens: int,
                         api_key: str | None = None) -> list[dict]:  # fmt: skip
@@ -53,6 +51,8 @@ def trainer_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) ->
 def served_vs_trained_gap(model, replica_urls: list[str], adapter: str, prompt_ids: list[int], n: int,
                           max_tokens: int, api_key: str | None = None) -> dict[str, float]:  # fmt: skip
     """Mean absolute logprob difference per replica over n sampled completions."""
+    from rl_cluster.trainer.compat import plain_attention  # TRL: only in the trainer, not the driver
+
     was_training = model.training
     model.eval()
     gaps = {}

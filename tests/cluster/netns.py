@@ -52,15 +52,12 @@ class NamespaceCluster:
         self.bridge = f"{self.prefix}br"
         self.addresses = {name: f"{subnet}.{i + 1}" for i, name in enumerate(nodes)}
         self.head = next(iter(nodes))
-        # Every process of the cluster carries this in its environment (the tests' own processes).
-        self.marker = ("RL_CLUSTER_NETNS", self.prefix)
         self.env = {
             **os.environ,
             **(env or {}),
             "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}",
             "RAY_AUTH_MODE": "disabled",  # a throwaway test cluster; a real one uses Ray's tokens
             "RAY_USAGE_STATS_ENABLED": "0",
-            self.marker[0]: self.marker[1],
         }
         self.env.pop("RAY_ADDRESS", None)
         self.ray_root = Path(f"/tmp/{self.prefix}-ray")  # <ray_root>/<node> is that node's /tmp/ray
