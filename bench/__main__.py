@@ -18,7 +18,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench import async_vs_sync, handoff, overhead, report, routing, scaling
+from bench import async_vs_sync, capacity, handoff, overhead, report, routing, scaling
 from bench.common import REPO, machine, vllm_servers, warm_up
 
 
@@ -34,15 +34,20 @@ class Plan:
     handoff_versions: int
     train_steps: int
     train_reps: int
+    capacity_upstreams: int
+    capacity_connections: int
+    capacity_seconds: float
 
 
 FULL = Plan(
     reps=5, routing_groups=32, groups_in_flight=4, max_tokens=32, overhead_requests=300, overhead_concurrency=4,
     scaling_groups=32, handoff_versions=10, train_steps=30, train_reps=2,
+    capacity_upstreams=8, capacity_connections=64, capacity_seconds=5.0,
 )  # fmt: skip
 QUICK = Plan(
     reps=1, routing_groups=4, groups_in_flight=2, max_tokens=16, overhead_requests=24, overhead_concurrency=4,
     scaling_groups=4, handoff_versions=3, train_steps=6, train_reps=1,
+    capacity_upstreams=4, capacity_connections=16, capacity_seconds=1.5,
 )  # fmt: skip
 BENCHMARKS = {  # run in this order, on the same two replicas
     "routing": routing.run,
@@ -50,6 +55,7 @@ BENCHMARKS = {  # run in this order, on the same two replicas
     "scaling": scaling.run,
     "handoff": handoff.run,
     "async_vs_sync": async_vs_sync.run,
+    "capacity": capacity.run,  # stubs, not the replicas: the proxy alone
 }
 
 
@@ -63,6 +69,12 @@ def parse_args(argv=None):
         "--render", type=Path, default=None, help="rewrite the markdown from a results.json, running nothing"
     )
     parser.add_argument("--only", nargs="*", choices=list(BENCHMARKS), default=None, help="run only these")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --only: put these sections into the existing results.json (the others keep their own "
+        "run's numbers, each section naming its run) and rewrite the markdown from the whole",
+    )
     return parser.parse_args(argv)
 
 
@@ -119,16 +131,35 @@ def main(argv=None) -> int:
     shutil.rmtree(work, ignore_errors=True)
     results = asyncio.run(run_all(plan, args.only, work))
     results["plan"] = asdict(plan)
-    report.write(out, plots_dir, results, info, command, args.quick)
+    if args.merge:
+        results = merged(plots_dir / "results.json", results, info, command)
+    # The numbers first: a report that fails to render must not lose them.
+    plots_dir.mkdir(parents=True, exist_ok=True)
     (plots_dir / "results.json").write_text(
         json.dumps({"machine": info, "command": command, **results}, indent=1, default=str)
     )
+    report.write(out, plots_dir, results, info, command, args.quick)
     failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
     print(
         f"wrote {out} in {time.monotonic() - started:.0f}s"
         + (f"; FAILED: {failed}, logs in {work}" if failed else "")
     )
     return 1 if failed else 0
+
+
+def merged(saved_path: Path, fresh: dict, info: dict, command: str) -> dict:
+    """The sections of an earlier run's results with this run's sections put in; every section carries
+    the machine and command of the run that measured it."""
+    saved = json.loads(saved_path.read_text())
+    old_info, old_command = saved.pop("machine"), saved.pop("command", "python -m bench")
+    for key, value in saved.items():
+        if isinstance(value, dict) and key != "plan":
+            value.setdefault("machine", old_info)
+            value.setdefault("command", old_command)
+    for key, value in fresh.items():
+        if isinstance(value, dict) and key != "plan":
+            value.update(machine=info, command=command)
+    return {**saved, **fresh}
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Asynchronous against strictly on-policy GRPO: the same short training run (jobs/configs/cpu_demo.toml
-with fewer steps) with trainer.max_staleness=0 and with 4, on the same two vLLM replicas.
+"""Asynchronous GRPO against the lockstep loop of synchronous trainers: the same short training run
+(jobs/configs/cpu_demo.toml with fewer steps) with trainer.mode=sync and trainer.mode=async, on the same
+two vLLM replicas.
 
 The pieces are those of a real run (a Ray cluster of our own, the ProxyActor, TrainerActor with TRL's
 AsyncGRPOTrainer, a directory bucket); the replicas are the benchmark's own servers, registered with a
@@ -26,11 +27,13 @@ from rl_cluster.models import model_fingerprint
 
 DEMO_CONFIG = REPO / "jobs" / "configs" / "cpu_demo.toml"
 POLL_S = 0.25
-MODES = {"synchronous": 0, "asynchronous": 4}  # trainer.max_staleness
+MODES = {"synchronous": "sync", "asynchronous": "async"}  # trainer.mode
 
 
-def mode_label(mode: str) -> str:
-    return f"{mode} (max_staleness={MODES[mode]})"
+def mode_label(mode: str, config) -> str:
+    if MODES[mode] == "sync":
+        return f"{mode} (lockstep)"
+    return f"{mode} (max_staleness={config.trainer.max_staleness})"
 
 
 def start_ray() -> None:
@@ -145,9 +148,9 @@ async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
     ]
     configs = {
         mode: load_config(
-            DEMO_CONFIG, [*common, f"trainer.max_staleness={staleness}", f"run_name=bench-{mode}-{stamp}"]
+            DEMO_CONFIG, [*common, f"trainer.mode={trainer_mode}", f"run_name=bench-{mode}-{stamp}"]
         )
-        for mode, staleness in MODES.items()
+        for mode, trainer_mode in MODES.items()
     }
     bucket = Bucket(str(work / "bucket"))
     fingerprint = model_fingerprint(model_dir)
@@ -165,15 +168,16 @@ async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
                 config = configs[mode].model_copy(update={"run_name": f"{configs[mode].run_name}-{rep}"})
                 result = await train_once(config, proxy, proxy_url)
                 results[mode].append(measures(result, config.trainer.completions_per_step))
-                print(f"  {mode_label(mode)}: {results[mode][-1]['mean_step_s']:.2f} s/step", flush=True)
+                label = mode_label(mode, config)
+                print(f"  {label}: {results[mode][-1]['mean_step_s']:.2f} s/step", flush=True)
                 await unload_all(proxy, proxy_url)
         await proxy.stop.remote()
     finally:
         ray.shutdown()
-    return summarize(results, configs["synchronous"])
+    return summarize(results, configs)
 
 
-def summarize(results: dict[str, list[dict]], config) -> dict:
+def summarize(results: dict[str, list[dict]], configs: dict) -> dict:
     from bench.common import median, paired_ratio
 
     sync, asyn = results["synchronous"], results["asynchronous"]
@@ -197,11 +201,12 @@ def summarize(results: dict[str, list[dict]], config) -> dict:
             ]
         )
         rows[mode]["reward_last_fifth"] = median([reward_by(r["curve"], float("inf")) for r in rs])
+    config = configs["asynchronous"]
     g, t = rows["synchronous"]["rollout_wait_s"], rows["synchronous"]["compute_s"]
     ideal = (g + t) / max(g, t)
     measured = paired_ratio([r["steps_per_hour"] for r in asyn], [r["steps_per_hour"] for r in sync])
     return {
-        "rows": [{"mode": mode_label(mode), **rows[mode]} for mode in results],
+        "rows": [{"mode": mode_label(mode, configs[mode]), **rows[mode]} for mode in results],
         "speedup": {
             "measured": measured,
             "ideal": ideal,
@@ -215,8 +220,8 @@ def summarize(results: dict[str, list[dict]], config) -> dict:
             "num_generations": config.trainer.num_generations,
             "max_new_tokens": config.trainer.max_new_tokens,
             "sync_every": config.trainer.sync_every,
-            "queue_steps": config.trainer.queue_steps,
+            "max_staleness": config.trainer.max_staleness,
             "reps": len(sync),
         },
-        "curves": {mode_label(mode): rs[0]["curve"] for mode, rs in results.items()},
+        "curves": {mode_label(mode, configs[mode]): rs[0]["curve"] for mode, rs in results.items()},
     }

@@ -125,16 +125,18 @@ async def warm_up(servers: Sequence[VLLMServer], tokenizer, model: str) -> None:
 
 
 async def replica_counters(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """The replica's own prefix-cache counters (summed over label sets) from its /metrics."""
+    """The replica's own prefix-cache counters (summed over label sets) from its /metrics, read with
+    prometheus_client's parser (which strips a counter's `_total` from the family name)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     async with session.get(f"{url}/metrics") as r:
         text = await r.text()
-    wanted = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
-    totals = dict.fromkeys(wanted, 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
-    return {"queries": totals[wanted[0]], "hits": totals[wanted[1]]}
+    wanted = {"vllm:prefix_cache_queries": "queries", "vllm:prefix_cache_hits": "hits"}
+    totals = dict.fromkeys(wanted.values(), 0.0)
+    for family in text_string_to_metric_families(text):
+        if family.name in wanted:
+            totals[wanted[family.name]] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return totals
 
 
 async def reset_prefix_caches(session: aiohttp.ClientSession, urls: Sequence[str]) -> None:
@@ -319,9 +321,11 @@ def vllm_router_available() -> bool:
 
 
 @contextlib.asynccontextmanager
-async def vllm_router(worker_urls: Sequence[str], policy: str, log_path: Path) -> AsyncIterator[str]:
+async def vllm_router(
+    worker_urls: Sequence[str], policy: str, log_path: Path, cores: set[int] | None = None
+) -> AsyncIterator[str]:
     """vllm-router (the Rust router users would otherwise pick) as its own process in front of the same
-    replicas; always stopped on exit."""
+    replicas (pinned to `cores` when given); always stopped on exit."""
     port = free_port()
     cmd = [
         sys.executable, "-m", "vllm_router.launch_router",
@@ -334,8 +338,9 @@ async def vllm_router(worker_urls: Sequence[str], policy: str, log_path: Path) -
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         process = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-        )
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=_pinned(cores),
+        )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         await wait_http_ok(url + "/v1/models", process, timeout_s=60, log_path=log_path)
@@ -360,8 +365,15 @@ async def wait_http_ok(url: str, process: subprocess.Popen, timeout_s: float, lo
             await asyncio.sleep(0.3)
 
 
+def _pinned(cores: set[int] | None):
+    """A preexec_fn that pins the child (and every thread it starts) to `cores`; None leaves it free."""
+    return None if cores is None else (lambda: os.sched_setaffinity(0, cores))
+
+
 @contextlib.asynccontextmanager
-async def json_service(args: Sequence[str], log_path: Path, timeout_s: float = 60) -> AsyncIterator:
+async def json_service(
+    args: Sequence[str], log_path: Path, timeout_s: float = 60, cores: set[int] | None = None
+) -> AsyncIterator:
     """A helper process of ours (`python -m bench.tap`, `python -m bench.proxy_process`) that prints one
     JSON line when it serves; yields that value and always stops the process (group) on exit."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -369,7 +381,7 @@ async def json_service(args: Sequence[str], log_path: Path, timeout_s: float = 6
     with open(log_path, "ab") as log:
         process = await asyncio.create_subprocess_exec(
             sys.executable, *args, stdout=asyncio.subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
-            env=env, start_new_session=True,
+            env=env, start_new_session=True, preexec_fn=_pinned(cores),
         )  # fmt: skip
     try:
         line = await asyncio.wait_for(process.stdout.readline(), timeout_s)
@@ -411,13 +423,21 @@ async def tap_logs(session: aiohttp.ClientSession, tap_urls: Sequence[str]) -> l
 
 @contextlib.asynccontextmanager
 async def proxy_process(
-    replicas: dict[str, str], log_path: Path, policy: str | None = None
+    replicas: dict[str, str],
+    log_path: Path,
+    policy: str | None = None,
+    *,
+    passthrough: bool = False,
+    cores: set[int] | None = None,
 ) -> AsyncIterator[str]:
-    """Our proxy in its own process (as the ProxyActor runs in production); yields its URL."""
+    """Our proxy in its own process (as the ProxyActor runs in production); yields its URL.
+    `passthrough`: the do-nothing aiohttp forwarder to the one replica instead (the floor)."""
     args = ["-m", "bench.proxy_process", *(f"{rid}={url}" for rid, url in replicas.items())]
     if policy is not None:
         args += ["--policy", policy]
-    async with json_service(args, log_path) as url:
+    if passthrough:
+        args.append("--passthrough")
+    async with json_service(args, log_path, cores=cores) as url:
         yield url
 
 

@@ -1,6 +1,13 @@
-"""Proxy overhead: the same requests straight to one vLLM server, through our proxy (one replica) and
-through vllm-router (one worker). Completions are 2 tokens long so that what the hop costs is visible
-next to what the server does; the prompt repeats, so the server answers from its prefix cache."""
+"""Proxy overhead: the same requests straight to one vLLM server, through the do-nothing aiohttp
+pass-through (the floor any Python front pays for the extra hop on this machine), through our proxy
+(one replica) and through vllm-router (one worker), in rounds that alternate the paths.
+
+Two loads, both with 2-token completions so that what the hop costs is visible next to what the server
+does: the bench's GRPO prompt (185 token ids, the body TRL sends) and a short prompt. Each prompt
+repeats, so the server answers from its prefix cache. Each path's cost is read against direct (same
+round) and against the pass-through (same round): the goal for our proxy is the floor's throughput
+within 0.02x and its added p50 within 0.5 ms, and at least vllm-router's throughput.
+"""
 
 from __future__ import annotations
 
@@ -21,78 +28,123 @@ from bench.common import (
 )
 
 MAX_TOKENS = 2
+DIRECT, FLOOR, OURS = "direct to vLLM", "aiohttp pass-through (floor)", "rl_cluster proxy"
+ROUTER = "vllm-router (cache_aware)"
+SHORT_PROMPT = "What is 3 + 4?"
+
+
+def loads(tokenizer) -> dict[str, list[int]]:
+    return {
+        "GRPO prompt": group_prompts(tokenizer, 1, seed=7)[0],
+        "short prompt": tokenizer.encode(SHORT_PROMPT, add_special_tokens=False),
+    }
 
 
 async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
     server_url = servers[0].url
-    prompt = group_prompts(tokenizer, 1, seed=7)[0]
     notes = []
+    prompts = loads(tokenizer)
+    count = max(8, plan.overhead_requests // 4)
+    rounds = plan.reps * 4
     async with contextlib.AsyncExitStack() as stack, aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as session:
-        paths = {"direct to vLLM": server_url}
-        paths["rl_cluster proxy"] = await stack.enter_async_context(
+        paths = {DIRECT: server_url}
+        paths[FLOOR] = await stack.enter_async_context(
+            proxy_process({"r0": server_url}, log_dir / "passthrough-overhead.log", passthrough=True)
+        )
+        paths[OURS] = await stack.enter_async_context(
             proxy_process({"r0": server_url}, log_dir / "proxy-overhead.log")
         )
         if vllm_router_available():
-            paths["vllm-router (cache_aware)"] = await stack.enter_async_context(
+            paths[ROUTER] = await stack.enter_async_context(
                 vllm_router([server_url], "cache_aware", log_dir / "vllm-router-overhead.log")
             )
         else:
             notes.append("vllm-router is not installed: its row is missing.")
         labels = list(paths)
-        runs: dict[str, list[dict]] = {label: [] for label in labels}
-        # One warm-up pass per path: connection pools, the server's cache of this prompt.
-        for url in paths.values():
-            await request_stream(session, url, str(model_dir), prompt, count=8, concurrency=4, max_tokens=1)
-        # Many short rounds that alternate the paths: a slow phase of the shared machine then lands on
-        # every path instead of on whichever ran during it.
-        rounds = plan.reps * 4
+        runs: dict[str, dict[str, list[dict]]] = {load: {label: [] for label in labels} for load in prompts}
+        # One warm-up pass per path and prompt: connection pools, the server's cache of the prompt.
+        for prompt in prompts.values():
+            for url in paths.values():
+                await request_stream(
+                    session, url, str(model_dir), prompt, count=8, concurrency=4, max_tokens=1
+                )
+        # Many short rounds that alternate the paths (and the loads): a slow phase of the shared machine
+        # then lands on every path instead of on whichever ran during it.
         for rep in range(rounds):
-            for label in labels[rep % len(labels) :] + labels[: rep % len(labels)]:
-                load = await request_stream(
-                    session,
-                    paths[label],
-                    str(model_dir),
-                    prompt,
-                    count=max(8, plan.overhead_requests // 4),
-                    concurrency=plan.overhead_concurrency,
-                    max_tokens=MAX_TOKENS,
-                )
-                if load.errors:
-                    raise RuntimeError(f"{label}: {load.errors} requests failed: {load.first_error}")
-                runs[label].append(
-                    {
-                        "throughput": load.throughput,
-                        "p50_ms": 1000 * quantile(load.latencies_s, 0.5),
-                        "p99_ms": 1000 * quantile(load.latencies_s, 0.99),
-                    }
-                )
-    direct = runs[labels[0]]
-    rows = []
-    for label in labels:
-        rs = runs[label]
-        rows.append(
-            {
-                "path": label,
-                "throughput": median([r["throughput"] for r in rs]),
-                "throughput_vs_direct": paired_ratio(
-                    [r["throughput"] for r in rs], [r["throughput"] for r in direct]
-                ),
-                "p50_ms": median([r["p50_ms"] for r in rs]),
-                "p99_ms": median([r["p99_ms"] for r in rs]),
-                "added_p50_ms": median([r["p50_ms"] - d["p50_ms"] for r, d in zip(rs, direct, strict=True)]),
-                "added_p99_ms": median([r["p99_ms"] - d["p99_ms"] for r, d in zip(rs, direct, strict=True)]),
-                "reps": len(rs),
-            }
-        )
+            for load, prompt in prompts.items():
+                for label in labels[rep % len(labels) :] + labels[: rep % len(labels)]:
+                    result = await request_stream(
+                        session,
+                        paths[label],
+                        str(model_dir),
+                        prompt,
+                        count=count,
+                        concurrency=plan.overhead_concurrency,
+                        max_tokens=MAX_TOKENS,
+                    )
+                    if result.errors:
+                        raise RuntimeError(f"{label}: {result.errors} requests failed: {result.first_error}")
+                    runs[load][label].append(
+                        {
+                            "throughput": result.throughput,
+                            "p50_ms": 1000 * quantile(result.latencies_s, 0.5),
+                            "p99_ms": 1000 * quantile(result.latencies_s, 0.99),
+                        }
+                    )
+    rows = [row(load, label, runs[load]) for load in prompts for label in labels]
     return {
         "rows": rows,
         "notes": notes,
         "load": {
-            "requests": max(8, plan.overhead_requests // 4),
+            "requests": count,
             "rounds": rounds,
             "concurrency": plan.overhead_concurrency,
             "max_tokens": MAX_TOKENS,
-            "prompt_tokens": len(prompt),
+            "prompt_tokens": {load: len(p) for load, p in prompts.items()},
         },
+        "goal": goal(runs),
         "runs": runs,
     }
+
+
+def row(load: str, label: str, runs: dict[str, list[dict]]) -> dict:
+    """One path under one load: medians over rounds, and paired differences against direct and the floor."""
+    rs, direct, floor = runs[label], runs[DIRECT], runs[FLOOR]
+
+    def added(key: str, base: list[dict]) -> float:
+        return median([r[key] - b[key] for r, b in zip(rs, base, strict=True)])
+
+    return {
+        "load": load,
+        "path": label,
+        "throughput": median([r["throughput"] for r in rs]),
+        "throughput_vs_direct": paired_ratio(
+            [r["throughput"] for r in rs], [d["throughput"] for d in direct]
+        ),
+        "throughput_vs_floor": paired_ratio([r["throughput"] for r in rs], [f["throughput"] for f in floor]),
+        "p50_ms": median([r["p50_ms"] for r in rs]),
+        "p99_ms": median([r["p99_ms"] for r in rs]),
+        "added_p50_ms": added("p50_ms", direct),
+        "added_p99_ms": added("p99_ms", direct),
+        "p50_vs_floor_ms": added("p50_ms", floor),
+        "reps": len(rs),
+    }
+
+
+def goal(runs: dict[str, dict[str, list[dict]]]) -> dict[str, dict]:
+    """Per load: does our proxy reach the floor (0.02x, 0.5 ms) and vllm-router? Paired by round."""
+    verdicts = {}
+    for load, by_path in runs.items():
+        ours, floor, router = by_path[OURS], by_path[FLOOR], by_path.get(ROUTER)
+
+        def ratio(base: list[dict], ours: list[dict] = ours) -> float:
+            return paired_ratio([r["throughput"] for r in ours], [b["throughput"] for b in base])
+
+        p50_gap = median([o["p50_ms"] - f["p50_ms"] for o, f in zip(ours, floor, strict=True)])
+        verdicts[load] = {
+            "throughput_vs_floor": ratio(floor),
+            "p50_vs_floor_ms": p50_gap,
+            "within_floor": ratio(floor) >= 0.98 and p50_gap <= 0.5,
+            "throughput_vs_router": None if router is None else ratio(router),
+        }
+    return verdicts

@@ -48,7 +48,7 @@ def routing(r: dict, path: Path) -> Path:
 
 def overhead(r: dict, path: Path) -> Path:
     plt, fig, (a, b) = _figure()
-    labels = [x["path"] for x in r["rows"]]
+    labels = [f"{x['path']}, {x['load']}" if "load" in x else x["path"] for x in r["rows"]]
     _bars(a, labels, [x["p50_ms"] for x in r["rows"]], "p50 latency (ms)", "{:.1f}")
     _bars(b, labels, [x["p99_ms"] for x in r["rows"]], "p99 latency (ms)", "{:.1f}")
     b.set_yticks([])

@@ -2,6 +2,7 @@
 
     python jobs/train_grpo.py --config jobs/configs/cpu_demo.toml [section.field=value ...]
     ray job submit --working-dir . -- python jobs/train_grpo.py --config jobs/configs/<run>.toml
+    python jobs/train_grpo.py --config jobs/configs/<run>.toml --resume RUN_NAME   (continue a run)
 
 Joins a running Ray cluster if there is one, else starts a local one. Writes everything under
 <bucket>/<run_name>/ and prints a summary table at the end. Exit status: 0 finished and served =
@@ -21,6 +22,11 @@ def parse_args(argv=None):
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", required=True, help="run TOML under jobs/configs/")
+    parser.add_argument(
+        "--resume",
+        metavar="RUN_NAME",
+        help="continue this run from its newest verified checkpoint in the bucket (to trainer.max_steps)",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.max_steps=20")
     return parser.parse_args(argv)
 
@@ -28,13 +34,14 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        config = load_config(args.config, args.overrides)
+        overrides = [*args.overrides, *([f"run_name={args.resume}"] if args.resume else [])]
+        config = load_config(args.config, overrides)
     except (OSError, ValueError) as e:  # pydantic's ValidationError is a ValueError
         print(f"{args.config}: {e}", file=sys.stderr)
         return 1
     from rl_cluster.run import train_main
 
-    return train_main(config)
+    return train_main(config, resume=bool(args.resume))
 
 
 if __name__ == "__main__":

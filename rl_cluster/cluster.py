@@ -92,7 +92,8 @@ def connect(config: RunConfig) -> bool:
     ray.init(
         address="local",
         num_cpus=os.cpu_count(),
-        resources={"trainer": 1, "generator": config.generator.replicas},
+        # Room for the most generators the pool controller may run (a laptop has no autoscaler).
+        resources={"trainer": 1, "generator": config.generator.replica_bounds[1]},
         runtime_env=env,
     )
     return True
@@ -122,7 +123,9 @@ class Cluster:
     generators: dict[str, object] = field(default_factory=dict)
     placement: dict[str, dict] = field(default_factory=dict)
     trainer: object | None = None
+    pool: object | None = None  # the run's pool controller (rl_cluster.pool), once it runs
     _next_index: int = 0
+    _slots: dict[str, int] = field(default_factory=dict)
 
     async def add_generators(self, count: int) -> list[str]:
         """Grow generation capacity, also during training: each new generator starts its vLLM server and
@@ -130,10 +133,15 @@ class Cluster:
         new = []
         for index in range(self._next_index, self._next_index + count):
             replica_id = f"g{index}"
+            # The replica's slot picks its CPU core on a CPU host (pin_cpu_cores): the lowest one no live
+            # generator holds. Its number would not do once replicas come and go: g2 started after g1 left
+            # shared g0's core, and under load its vLLM worker made no progress for minutes.
+            held = {self._slots[r] for r in self.generators if r in self._slots}
+            self._slots[replica_id] = slot = min(set(range(len(held) + 1)) - held)
             self.generators[replica_id] = generator_actor(self, replica_id)
-            new.append((replica_id, index, self.generators[replica_id]))
+            new.append((replica_id, slot, self.generators[replica_id]))
         self._next_index += count
-        await asyncio.gather(*(actor.start.remote(index, self.proxy) for _, index, actor in new))
+        await asyncio.gather(*(actor.start.remote(slot, self.proxy) for _, slot, actor in new))
         for replica_id, _, actor in new:
             self.placement[f"generator {replica_id}"] = await actor.placement.remote()
         return [replica_id for replica_id, _, _ in new]
@@ -146,8 +154,19 @@ class Cluster:
         finally:
             ray.kill(actor)
 
+    async def _sync_from_pool(self, stop: bool = False) -> None:
+        """Once the pool controller runs, its copy of this Cluster is the one whose generators change:
+        take its generator set and placement (and with `stop`, stop it deciding first)."""
+        if self.pool is None:
+            return
+        call = self.pool.stop.remote() if stop else self.pool.members.remote()
+        with contextlib.suppress(Exception):
+            self.generators, placement = await asyncio.wait_for(call, 30)
+            self.placement.update(placement)
+
     async def replica_restarts(self) -> dict[str, int]:
         """Restarts of each replica's vLLM server so far (a generator that does not answer counts None)."""
+        await self._sync_from_pool()
         counts = await asyncio.gather(
             *(asyncio.wait_for(g.restart_count.remote(), 10) for g in self.generators.values()),
             return_exceptions=True,
@@ -159,12 +178,13 @@ class Cluster:
     async def shutdown(self) -> None:
         """Generators leave the proxy and stop their vLLM servers, then the proxy stops, then the actors
         are killed. Best effort at each stage: a failure must not leave the rest running."""
+        await self._sync_from_pool(stop=True)
         stops = [g.shutdown.remote() for g in self.generators.values()]
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.gather(*stops, return_exceptions=True), timeout=90)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.proxy.stop.remote(), timeout=10)
-        for actor in [*self.generators.values(), self.proxy, self.trainer]:
+        for actor in [*self.generators.values(), self.proxy, self.trainer, self.pool]:
             if actor is not None:
                 with contextlib.suppress(Exception):
                     ray.kill(actor)

@@ -24,7 +24,8 @@ class ModelConfig(Section):
     path: str = "tiny"
     """Base model: a Hugging Face hub id (resolved on every node through the Hugging Face cache, honouring
     HF_HOME, HF_HUB_OFFLINE and HF_TOKEN), a local directory every node has, or `tiny`: the locally made
-    tiny Qwen2-architecture model (rl_cluster.tiny), built on first use, so a run needs no model hub."""
+    tiny Qwen2-architecture model (rl_cluster.tiny), built on first use, so a run needs no model hub
+    (`tiny-math`: the same, warm-started on the MATH-format task rl_cluster.data.tiny_math)."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) of a hub-id `path`; None is `main`. Pin a commit on a cluster,
     so every node serves the same weights."""
@@ -46,15 +47,68 @@ class LoraConfig(Section):
 
 
 class TaskConfig(Section):
-    prompts: Literal["tiny_arithmetic", "jsonl"] = "tiny_arithmetic"
-    """Where prompts come from: the built-in toy task (made locally, rl_cluster.tiny) or a JSONL file of
-    rows with a conversational `prompt` and extra columns that reach the reward functions."""
+    prompts: Literal["tiny_arithmetic", "jsonl", "dataset"] = "tiny_arithmetic"
+    """Where prompts come from: the built-in toy task (made locally, rl_cluster.tiny), a JSONL file of
+    rows with a conversational `prompt` and extra columns that reach the reward functions, or `dataset`:
+    a Hugging Face dataset (`task.dataset`), which `python -m rl_cluster.data prepare` writes into the
+    bucket once and the run reads from there (rl_cluster.data), shuffled with trainer.seed."""
     jsonl_path: str | None = None
     """JSONL file of prompt rows, when `prompts = "jsonl"`."""
     num_prompts: int = Field(2000, gt=0)
     """How many toy-task prompts to generate (ignored for JSONL)."""
     rewards: list[str] = ["rl_cluster.core.rewards:arithmetic_reward"]
     """Reward functions as `module:function` import paths; each is `(completions, **columns) -> list[float]`."""
+    dataset: str | None = None
+    """For `prompts = "dataset"`: the dataset as `datasets.load_dataset` names it: a hub id
+    (`DigitalLearningGmbH/MATH-lighteval`) or a file builder (`parquet`, `json`, `csv`) with `data_files`."""
+    dataset_config: str | None = None
+    """The dataset's configuration (subset) name, `load_dataset(name=...)`; None: its default."""
+    dataset_revision: str | None = None
+    """Hub revision (branch, tag or commit) of a hub-id `dataset`; None is `main`."""
+    data_files: dict[str, list[str]] = {}
+    """Files per split for a file builder: `{ train = ["train.parquet"], test = ["test.parquet"] }`."""
+    split: str = "train"
+    """Split trained on."""
+    eval_split: str | None = None
+    """Held-out split that `prepare` also writes (as `eval`), never trained on; None: none."""
+    columns: dict[str, str] = {}
+    """Dataset column -> run column (`{ problem = "prompt", solution = "answer" }`); only mapped columns
+    are kept. Empty: every column as it is. The run needs a `prompt` column; the others reach the reward
+    functions as keyword arguments."""
+    answer_from_solution: bool = False
+    """The `answer` column holds a worked solution (MATH's `solution`): keep only its last `\\boxed{}`
+    content. Rows without one are dropped with a count."""
+    system_prompt: str | None = None
+    """System message put before each text prompt; None: none (the chat template's default, if any)."""
+    prompt_template: str = "{prompt}"
+    """The user message made from a text prompt: `{prompt}` is replaced by it (plain replacement, so LaTeX
+    braces need no escaping). Prompts that are already message lists are used as they are."""
+
+    @model_validator(mode="after")
+    def _dataset_fields(self) -> TaskConfig:
+        if self.prompts == "dataset" and not self.dataset:
+            raise ValueError('task.prompts = "dataset" needs task.dataset (a hub id, or "parquet"/"json")')
+        if self.data_files and self.split not in self.data_files:
+            raise ValueError(
+                f"task.split={self.split!r} is not a key of task.data_files {sorted(self.data_files)}"
+            )
+        if self.eval_split is not None and self.eval_split == self.split:
+            raise ValueError(
+                f"task.eval_split={self.eval_split!r} is the training split: evaluation must be held out"
+            )
+        if self.eval_split is not None and self.data_files and self.eval_split not in self.data_files:
+            raise ValueError(
+                f"task.eval_split={self.eval_split!r} is not a key of task.data_files {sorted(self.data_files)}"
+            )
+        if self.answer_from_solution and self.columns and "answer" not in self.columns.values():
+            raise ValueError('task.answer_from_solution needs a column mapped to "answer" in task.columns')
+        if self.columns and "prompt" not in self.columns.values():
+            raise ValueError('task.columns maps no column to "prompt"')
+        if len(set(self.columns.values())) < len(self.columns):
+            raise ValueError(f"task.columns maps two columns to the same name: {self.columns}")
+        if "{prompt}" not in self.prompt_template:
+            raise ValueError("task.prompt_template must contain {prompt}")
+        return self
 
 
 class TrainerConfig(Section):
@@ -68,15 +122,17 @@ class TrainerConfig(Section):
     """Completions sampled per prompt (the GRPO group size)."""
     completions_per_step: int = Field(128, gt=0)
     """Completions consumed by one optimizer step; a multiple of num_generations."""
-    max_new_tokens: int = Field(3000, gt=0)
+    max_new_tokens: int = Field(128, gt=0)
     """Longest completion the generators produce."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature of rollouts."""
     max_staleness: int = Field(4, ge=0)
     """Largest policy-version lag a rollout may have when trained on; older ones are dropped."""
-    queue_steps: int = Field(1, ge=1)
-    """Rollouts buffered ahead of the trainer, in optimizer steps' worth. Generation blocks when the buffer
-    is full instead of producing samples that would go stale waiting (admission control)."""
+    mode: Literal["async", "sync"] = "async"
+    """`async`: generation runs ahead of training, and a group starts only when the trainer will consume
+    it within max_staleness versions (admission follows the trainer, so little is dropped). `sync`: the
+    lockstep loop of synchronous trainers, the baseline the benchmarks compare with: the samples of the
+    next sync_every steps are generated only after the sync before them, so none is ever stale."""
     sync_every: int = Field(4, ge=1)
     """Optimizer steps between adapter publications (weight syncs)."""
     max_steps: int = Field(500, gt=0)
@@ -86,6 +142,9 @@ class TrainerConfig(Section):
     `<bucket>/<run_name>/checkpoints/step-N/` with a manifest; 0 publishes none."""
     keep_checkpoints: int = Field(2, ge=1)
     """Newest checkpoints kept in the bucket; older ones are deleted (manifest first)."""
+    max_restarts: int = Field(1, ge=0)
+    """Times Ray restarts a trainer actor that died (its process killed, its node lost) while the run goes
+    on; the restarted trainer resumes from the newest verified checkpoint in the bucket."""
     seed: int = 0
     """Seed for LoRA init, data order and sampling."""
     gradient_checkpointing: bool = False
@@ -126,6 +185,45 @@ class GeneratorConfig(Section):
     """Wait before the first restart of a replica; doubled for each further one (at most 60 s)."""
     extra_args: list[str] = []
     """Extra `vllm serve` flags, passed through unchanged."""
+    min_replicas: int | None = Field(None, ge=1)
+    """Fewest generators the pool controller keeps during a run; None: `replicas`. Below `max_replicas`
+    the pool is elastic: it grows under demand and shrinks when replicas stay idle (rl_cluster.core.scaling)."""
+    max_replicas: int | None = Field(None, ge=1)
+    """Most generators the pool controller runs (on a cluster, the autoscaler adds `generator` nodes for
+    them); None: `replicas`. `jobs/scale.py --replicas N` sets any N in [min_replicas, max_replicas]."""
+    scale_up_in_flight: float = Field(16.0, gt=0)
+    """Demand above which the pool grows: requests in flight (or queued at the proxy) per serving replica."""
+    scale_up_window_s: float = Field(30.0, gt=0)
+    """Seconds demand must stay above `scale_up_in_flight`, in every sample, before a replica is added."""
+    scale_down_window_s: float = Field(120.0, gt=0)
+    """Seconds a replica must stay idle (nothing in flight, nothing routed to it) before it is removed."""
+    scale_cooldown_s: float = Field(60.0, ge=0)
+    """Seconds after an automatic change before the next one (a new replica needs time to take load)."""
+    scale_interval_s: float = Field(2.0, gt=0)
+    """Seconds between the pool controller's samples of the proxy's per-replica counts."""
+    scale_up_timeout_s: float = Field(900.0, gt=0)
+    """Seconds a new generator may take to get a node (the autoscaler may start one) and serve; after that
+    it is given up, and the scale event records the failure."""
+    drain_timeout_s: float = Field(300.0, gt=0)
+    """Seconds a replica being removed waits for its in-flight requests before it is stopped anyway."""
+
+    @property
+    def replica_bounds(self) -> tuple[int, int]:
+        """(min_replicas, max_replicas) with None read as `replicas`."""
+        low = self.replicas if self.min_replicas is None else self.min_replicas
+        return low, self.replicas if self.max_replicas is None else self.max_replicas
+
+    @model_validator(mode="after")
+    def _replicas_within_bounds(self) -> GeneratorConfig:
+        low, high = self.replica_bounds
+        if self.min_replicas is not None and self.max_replicas is not None and low > high:
+            raise ValueError(f"generator.min_replicas={low} exceeds generator.max_replicas={high}")
+        if not low <= self.replicas <= high:
+            raise ValueError(
+                f"generator.replicas={self.replicas} must lie within generator.min_replicas={low} .. "
+                f"generator.max_replicas={high}"
+            )
+        return self
 
 
 class ProxyConfig(Section):
@@ -164,6 +262,10 @@ class ProxyConfig(Section):
     health_timeout_s: float = Field(10.0, gt=0)
     """Seconds a replica's /health may take before the check counts as failed (generous: a busy CPU host
     answers slowly, and a false alarm costs a catch-up)."""
+    unavailable_timeout_s: float = Field(300.0, gt=0, lt=600)
+    """Seconds the proxy holds generation requests and adapter loads while no replica is active (all down
+    or restarting) before it answers 503, which stops the run with that message. Below the trainer's
+    600 s request timeout, so the proxy's answer, not a client timeout, is what the run reports."""
     num_cpus: float = Field(0.0, ge=0)
     """CPUs the proxy actor reserves."""
 
@@ -191,6 +293,25 @@ class CheckConfig(Section):
     not the trained one."""
 
 
+class EvalConfig(Section):
+    every_steps: int = Field(0, ge=0)
+    """Evaluate on the held-out split (`task.eval_split`, prepared as `eval`) every N optimizer steps, once
+    before the first (step 0: the first published version, which is the base model), and after the last;
+    0: never. Generated through the proxy under the newest version, so it measures what is served; the
+    trainer waits for it. A multiple of trainer.sync_every, so each eval sees the policy of its step."""
+    samples_k: int = Field(4, ge=1)
+    """Completions sampled per problem for mean@k (the mean reward over k samples, averaged over problems);
+    pass@1 is one greedy (temperature 0) completion per problem. At most proxy.max_n."""
+    max_problems: int | None = Field(500, ge=1)
+    """Eval problems used: a fixed sample of this many (the same ones at every eval, drawn with
+    trainer.seed); None: the whole eval split."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of the mean@k completions (top_p 1). Each problem's samples are seeded, the same
+    at every eval, so two evals differ by the policy, not the draw."""
+    concurrency: int = Field(32, ge=1)
+    """Eval requests the trainer keeps in flight at once (one per problem: the greedy one, then n=k)."""
+
+
 class ClusterConfig(Section):
     address: str | None = None
     """Ray address to join. None joins a running cluster when there is one (RAY_ADDRESS, or one started
@@ -209,6 +330,7 @@ class RunConfig(Section):
     proxy: ProxyConfig = ProxyConfig()
     bucket: BucketConfig = BucketConfig()
     check: CheckConfig = CheckConfig()
+    eval: EvalConfig = EvalConfig()
     cluster: ClusterConfig = ClusterConfig()
 
     @model_validator(mode="after")
@@ -237,8 +359,38 @@ class RunConfig(Section):
             )
         if self.task.prompts == "jsonl" and not self.task.jsonl_path:
             raise ValueError('task.prompts = "jsonl" needs task.jsonl_path')
+        if t.max_new_tokens >= self.model.max_model_len:
+            raise ValueError(
+                f"trainer.max_new_tokens={t.max_new_tokens} leaves no room for a prompt in model.max_model_len="
+                f"{self.model.max_model_len} (prompt + completion); lower max_new_tokens or raise max_model_len"
+            )
+        if 0 < t.token_budget < self.model.max_model_len:
+            raise ValueError(
+                f"trainer.token_budget={t.token_budget} is below model.max_model_len={self.model.max_model_len}: "
+                "a packed row could not hold the longest sample, and TRL drops such samples; raise token_budget "
+                "to at least max_model_len (or 0 for no packing)"
+            )
         if not all(c.isalnum() or c in "-_." for c in self.run_name):
             raise ValueError(f"run_name={self.run_name!r} may contain only letters, digits, '-', '_' and '.'")
+        return self
+
+    @model_validator(mode="after")
+    def _eval_consistent(self) -> RunConfig:
+        e = self.eval
+        if not e.every_steps:
+            return self
+        if self.task.prompts != "dataset" or self.task.eval_split is None:
+            raise ValueError(
+                f'eval.every_steps={e.every_steps} needs a held-out split: task.prompts = "dataset" with '
+                "task.eval_split set (or eval.every_steps = 0)"
+            )
+        if e.every_steps % self.trainer.sync_every:
+            raise ValueError(
+                f"eval.every_steps={e.every_steps} is not a multiple of trainer.sync_every={self.trainer.sync_every}: "
+                "an eval between syncs would measure the version published before its step"
+            )
+        if e.samples_k > self.proxy.max_n:
+            raise ValueError(f"eval.samples_k={e.samples_k} exceeds proxy.max_n={self.proxy.max_n}")
         return self
 
 

@@ -18,6 +18,8 @@ from rl_cluster.core.manifest import base_model_fingerprint
 
 # Hugging Face variables a node needs to resolve a hub id the way the driver's environment meant it.
 HF_ENV = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_ENDPOINT", "HF_TOKEN", "HF_HUB_ENABLE_HF_TRANSFER")
+# Locally made models (rl_cluster.tiny) by `model.path` name -> the task each is warm-started on.
+TINY_MODELS = {"tiny": "add", "tiny-math": "math"}
 # Formats neither vLLM nor transformers read when safetensors are there: not worth a download.
 _SKIP = [
     "*.pth",
@@ -35,11 +37,12 @@ _SKIP = [
 
 def resolve_model(path: str, revision: str | None = None) -> Path:
     """The local directory holding `model.path`'s files: the tiny model (built here on first use), an
-    existing directory, or a hub id fetched into (or, offline, found in) the Hugging Face cache."""
-    if path == "tiny":
+    existing directory, or a hub id fetched into (or, offline, found in) the Hugging Face cache. `tiny-math`
+    is the tiny model warm-started on the MATH-format task (rl_cluster.data.tiny_math)."""
+    if path in TINY_MODELS:
         from rl_cluster.tiny import ensure_tiny_model
 
-        return ensure_tiny_model()
+        return ensure_tiny_model(task=TINY_MODELS[path])
     if os.path.isdir(path):
         return Path(path).resolve()
     if path.startswith(("/", "./", "../", "~")) or path.count("/") > 1:

@@ -77,19 +77,33 @@ def log_dir_for(config: RunConfig) -> str:
     return os.path.abspath(os.path.join(".cache", "logs", config.run_name))
 
 
-async def train(config: RunConfig) -> dict:
-    """Launch the generators and the proxy, train, summarise, stop everything. Never leaves a process."""
+def check_resumable(bucket, run_name: str) -> None:
+    if not bucket.list_checkpoints(run_name):
+        raise SystemExit(
+            f"{bucket.run_uri(run_name)} holds no checkpoint of a run named {run_name!r}: nothing to resume "
+            "(a run makes checkpoints with trainer.checkpoint_every > 0). Check the name and bucket.uri."
+        )
+
+
+async def train(config: RunConfig, resume: bool = False) -> dict:
+    """Launch the generators and the proxy, train, summarise, stop everything. Never leaves a process.
+    `resume`: continue the run named config.run_name from its newest verified checkpoint."""
     import ray
 
     from rl_cluster.bucket import Bucket
     from rl_cluster.cluster import RunSecrets, connect, launch
     from rl_cluster.plots import curves_png
+    from rl_cluster.pool import start_pool
     from rl_cluster.trainer.actor import TrainerActor
 
     bucket = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url)
-    check_fresh_run_name(bucket, config.run_name)
+    if resume:
+        check_resumable(bucket, config.run_name)
+    else:
+        check_fresh_run_name(bucket, config.run_name)
     # SecretStr fields dump as '**********': the resolved config holds no token.
-    bucket.write_text(config.run_name, "config.resolved.json", config.model_dump_json(indent=2))
+    name = "config.resolved.json" if not resume else f"config.resumed-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    bucket.write_text(config.run_name, name, config.model_dump_json(indent=2))
     start = time.time()
     status, error, cluster = "finished", None, None
     result = {"history": [], "syncs": [], "checkpoints": []}
@@ -102,6 +116,7 @@ async def train(config: RunConfig) -> dict:
             flush=True,
         )
         cluster = await launch(config, log_dir_for(config), secrets, loopback=loopback)
+        cluster.pool = await start_pool(cluster)
         print(
             f"proxy listening on {cluster.proxy_url}; generators ready after {time.time() - start:.0f}s",
             flush=True,
@@ -111,11 +126,14 @@ async def train(config: RunConfig) -> dict:
             num_cpus=config.trainer.num_cpus,
             num_gpus=config.trainer.num_gpus,
             resources={"trainer": 1},
+            # A trainer that dies is restarted and its train() call re-run: it resumes from a checkpoint.
+            max_restarts=config.trainer.max_restarts,
+            max_task_retries=config.trainer.max_restarts,
         ).remote(config, cluster.proxy_url, secrets.proxy_token, secrets.replica_key)
         cluster.placement["trainer"] = await cluster.trainer.placement.remote()
         for actor, where in cluster.placement.items():
             print(f"  {actor:<14} on {where['address']}", flush=True)
-        result = await cluster.trainer.train.remote()
+        result = await cluster.trainer.train.remote(resume=resume)
     except asyncio.CancelledError:
         asyncio.current_task().uncancel()  # the stop is handled here; the cleanup's awaits must run
         status = "stopped"
@@ -126,12 +144,15 @@ async def train(config: RunConfig) -> dict:
         traceback.print_exc()  # the summary keeps the message; the log keeps where it happened
     stats: dict = {}
     restarts: dict = {}
+    scale_events: list = []
     try:
         if cluster is not None:
             if status != "finished" and cluster.trainer is not None:
                 result = await _bounded(cluster.trainer.report.remote(), result)
             stats = await _bounded(cluster.proxy.stats.remote(), {})
             restarts = await _bounded(cluster.replica_restarts(), {})
+            if cluster.pool is not None:
+                scale_events = await _bounded(cluster.pool.scale_events.remote(), [])
         summary = summarize(
             result,
             stats,
@@ -140,11 +161,20 @@ async def train(config: RunConfig) -> dict:
             error=error,
             placement=cluster.placement if cluster else {},
             replica_restarts=restarts,
+            scale_events=scale_events,
         )
         summary["run_name"] = config.run_name
+        summary["trainer_restarts"] = await asyncio.to_thread(
+            trainer_restarts, cluster.trainer if cluster else None
+        )
+        summary["resumed_from_step"] = result.get("resumed_from_step")
         bucket.write_text(config.run_name, "summary.json", json.dumps(summary, indent=2))
         if result["history"]:
-            bucket.write_bytes(config.run_name, "curves.png", curves_png(result["history"], config.run_name))
+            bucket.write_bytes(
+                config.run_name,
+                "curves.png",
+                curves_png(result["history"], config.run_name, evals=result.get("evals")),
+            )
     finally:
         if cluster is not None:
             await cluster.shutdown()
@@ -158,8 +188,22 @@ async def train(config: RunConfig) -> dict:
     return summary
 
 
-def train_main(config: RunConfig) -> int:
-    summary = asyncio.run(train(config))
+def trainer_restarts(trainer) -> int | None:
+    """How often Ray restarted the trainer actor, from Ray's state API; None when it cannot tell."""
+    if trainer is None:
+        return 0
+    from ray.util.state import get_actor
+
+    try:
+        state = get_actor(trainer._actor_id.hex())
+    except Exception as e:
+        print(f"  (trainer restarts unknown: {type(e).__name__}: {e})", flush=True)
+        return None
+    return int(state.num_restarts) if state is not None else None
+
+
+def train_main(config: RunConfig, resume: bool = False) -> int:
+    summary = asyncio.run(train(config, resume=resume))
     code = exit_status(summary, config.check.tolerance)
     if code == 2:
         print(
@@ -175,6 +219,7 @@ async def serve(config: RunConfig) -> None:
     import ray
 
     from rl_cluster.cluster import RunSecrets, connect, launch
+    from rl_cluster.pool import start_pool
 
     stop = asyncio.Event()
     loopback = connect(config)
@@ -193,6 +238,7 @@ async def serve(config: RunConfig) -> None:
         stopping.cancel()
         cluster = launching.result()
         try:
+            cluster.pool = await start_pool(cluster)
             print(f"proxy listening on {cluster.proxy_url}", flush=True)
             if secrets.proxy_token and not config.proxy.auth_token:
                 print(

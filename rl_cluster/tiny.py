@@ -16,7 +16,10 @@ briefly pulls the model towards a noisy teacher whose every answer digit is righ
 policy gradient even on a rank-1 LoRA, so RL shows a clear reward rise within a minute or two on CPU.
 The build is deterministic (fixed seeds, one thread).
 
-    python -m rl_cluster.tiny [--cache-dir DIR]    # builds once, prints the model directory
+The MATH-format variant (`model.path = "tiny-math"`, `ensure_tiny_model(task="math")`) is the same model
+warm-started on rl_cluster.data.tiny_math instead: see `MATH_RECIPE` and `_warm_start_math`.
+
+    python -m rl_cluster.tiny [--cache-dir DIR] [--task math]   # builds once, prints the model directory
 """
 
 from __future__ import annotations
@@ -188,23 +191,142 @@ def _build(out_dir: Path) -> None:
         torch.set_num_threads(threads)
 
 
+# -- the MATH-format variant ----------------------------------------------------------------------------
+# Why this warm start: RL on MATH first learns to answer in the graded form, then to be right more often.
+# The tiny math model starts there too. It answers `What is $3+4$?` with `$3+4=\boxed{7}$` (graded 1) or
+# with the unboxed `$3+4=7$` (graded 0), and which one is a single choice right after the `=`: per
+# problem, the boxed form has probability `box_low` or `box_high` (drawn once per problem), so greedy
+# decoding boxes only the `box_high` half. The sum's digits are noisy as in the toy task (`teacher_p`:
+# the right digit stays the mode). Greedy pass@1 so starts at 0.63, sampled mean@8 at 0.14; raising
+# the box probability is one direction shared by every problem, so a rank-1 LoRA lifts pass@1 within
+# tens of steps on CPU, and sharpening the digits lifts the sampled reward after it.
+MATH_RECIPE = {
+    "version": 1,  # bump when the math build code changes
+    "base": {k: RECIPE[k] for k in ("model", "tokens", "chat_template")},
+    "warm_start": {
+        "seed": 0,
+        "lr": 1e-3,
+        "clean_steps": 150,
+        "noisy_steps": 75,
+        "teacher_p": 0.5,
+        "box_low": 0.25,
+        "box_high": 0.7,
+    },
+}
+
+
+def _math_fingerprint() -> str:
+    return hashlib.sha256(json.dumps(MATH_RECIPE, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def math_completions(problem: dict) -> tuple[str, str, str]:
+    """(boxed completion, unboxed completion, answer) the warm start teaches for a tiny_math row:
+    `What is $3+4$?` -> (`$3+4=\\boxed{7}$`, `$3+4=7$`, `7`)."""
+    from rl_cluster.core.math_grading import last_boxed
+
+    expression = problem["problem"].removeprefix("What is $").removesuffix("$?")
+    answer = last_boxed(problem["solution"])
+    return f"${expression}=\\boxed{{{answer}}}$", f"${expression}={answer}$", answer
+
+
+def _warm_start_math(model, tokenizer) -> None:
+    """Full-batch training on every tiny_math problem, both completions of each weighted by the problem's
+    box probability (so the choice after `=` learns that mixture), loss on the completion and the closing
+    `<|im_end|>`. First `clean_steps` with the right digits, then `noisy_steps` with each answer digit's
+    target spread as in `_warm_start`."""
+    import torch
+
+    from rl_cluster.data.tiny_math import all_problems
+
+    ws = MATH_RECIPE["warm_start"]
+    rng = random.Random(ws["seed"])
+    digit_ids = set(tokenizer.convert_tokens_to_ids(list("0123456789")))
+    digit_list = sorted(digit_ids)
+    seqs, weights, answer_spans = [], [], []
+    for problem in all_problems("+"):
+        boxed, plain, answer = math_completions(problem)
+        p_box = ws["box_high"] if rng.random() < 0.5 else ws["box_low"]
+        prompt = [{"role": "user", "content": problem["problem"]}]
+        prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=False)
+        for text, weight, tail in ((boxed, p_box, "}$"), (plain, 1 - p_box, "$")):
+            completion = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+            start = len(text) - len(tail) - len(answer)  # the sum's digits, not an operand's
+            seqs.append((prompt_ids, completion))
+            weights.append(weight)
+            answer_spans.append((len(prompt_ids) + start, len(prompt_ids) + start + len(answer)))
+    width = max(len(p) + len(c) for p, c in seqs)
+    input_ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
+    clean = torch.zeros(len(seqs), width, len(tokenizer))  # clean[i, t]: distribution of token t + 1
+    for i, (prompt_ids, completion) in enumerate(seqs):
+        full = prompt_ids + completion
+        input_ids[i, : len(full)] = torch.tensor(full)
+        for t, tok in enumerate(completion, start=len(prompt_ids) - 1):
+            clean[i, t, tok] = 1.0
+    noisy = clean.clone()
+    for i, (first, end) in enumerate(answer_spans):
+        for position in range(first, end):  # token `position` is an answer digit, predicted at position - 1
+            tok = int(input_ids[i, position])
+            noisy[i, position - 1] = 0.0
+            noisy[i, position - 1, digit_list] = (1 - ws["teacher_p"]) / 10
+            noisy[i, position - 1, tok] += ws["teacher_p"]
+    attention = (input_ids != tokenizer.pad_token_id).long()
+    weight = clean.sum(-1) * torch.tensor(weights)[:, None]  # 1 where a target is set, times the mixture
+    optimizer = torch.optim.AdamW(model.parameters(), lr=ws["lr"], weight_decay=0.0)
+    model.train()
+    for step in range(ws["clean_steps"] + ws["noisy_steps"]):
+        for group in optimizer.param_groups:
+            group["lr"] = ws["lr"] * min(1.0, (step + 1) / 20)  # short warmup
+        target = clean if step < ws["clean_steps"] else noisy
+        logits = model(input_ids=input_ids, attention_mask=attention).logits
+        loss = -(target * logits.log_softmax(-1)).sum(-1).mul(weight).sum() / weight.sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+
+
+def _build_math(out_dir: Path) -> None:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(MATH_RECIPE["warm_start"]["seed"])
+            tokenizer = _make_tokenizer()
+            model = _make_model(tokenizer)
+            _warm_start_math(model, tokenizer)
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        (out_dir / "recipe.json").write_text(json.dumps(MATH_RECIPE, indent=1))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def default_cache_dir() -> Path:
     env = os.environ.get("RL_CLUSTER_CACHE")
     return Path(env) if env else Path(__file__).resolve().parent.parent / ".cache"
 
 
-def ensure_tiny_model(cache_dir: str | Path | None = None) -> Path:
+def ensure_tiny_model(cache_dir: str | Path | None = None, task: str = "add") -> Path:
     """The tiny model's directory under `cache_dir` (default: `$RL_CLUSTER_CACHE` or `<repo>/.cache`),
-    built on first use. Safe to call concurrently: each caller builds in a temporary directory and
-    renames it into place; the first rename wins and the others discard their copy."""
+    built on first use. `task`: `add`, warm-started on the toy addition task, or `math`, warm-started on
+    the MATH-format task (rl_cluster.data.tiny_math; see `MATH_RECIPE`). Safe to call concurrently: each
+    caller builds in a temporary directory and renames it into place; the first rename wins and the
+    others discard their copy."""
+    if task not in ("add", "math"):
+        raise ValueError(f"task={task!r}: the tiny model is made for `add` or `math`")
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = root / f"tiny-qwen2-add-{_fingerprint()}"
+    if task == "math":
+        final = root / f"tiny-qwen2-math-{_math_fingerprint()}"
+    else:
+        final = root / f"tiny-qwen2-add-{_fingerprint()}"
     if final.is_dir():
         return final
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
     try:
-        _build(tmp)
+        (_build if task == "add" else _build_math)(tmp)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -218,7 +340,11 @@ def ensure_tiny_model(cache_dir: str | Path | None = None) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache-dir", default=None, help="default: $RL_CLUSTER_CACHE or <repo>/.cache")
-    print(ensure_tiny_model(parser.parse_args().cache_dir))
+    parser.add_argument(
+        "--task", choices=["add", "math"], default="add", help="the task it is warm-started on"
+    )
+    args = parser.parse_args()
+    print(ensure_tiny_model(args.cache_dir, task=args.task))
 
 
 if __name__ == "__main__":

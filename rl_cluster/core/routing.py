@@ -8,8 +8,10 @@ a prefix computed under `policy-v3` is worthless to a request for `policy-v4`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,8 +23,10 @@ RoutingPolicy = Literal["prefix", "round_robin", "least_loaded"]
 _DIGEST_BYTES = 8
 
 
-def _digest(data: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(data, digest_size=_DIGEST_BYTES).digest(), "little")
+@functools.lru_cache(maxsize=1024)
+def _model_digest(model: str) -> bytes:
+    """The chain's seed: a few adapter names are live at a time, so it is computed once per name."""
+    return hashlib.blake2b(b"model\0" + model.encode(), digest_size=_DIGEST_BYTES).digest()
 
 
 def block_hashes(model: str, prompt: str | Sequence[int], block_size: int) -> list[int]:
@@ -36,17 +40,20 @@ def block_hashes(model: str, prompt: str | Sequence[int], block_size: int) -> li
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     # Distinct prefixes for text and token prompts, so "12" as text never equals tokens [1, 2].
-    kind = b"t" if isinstance(prompt, str) else b"i"
-    previous = _digest(b"model\0" + model.encode())
+    text = isinstance(prompt, str)
+    kind = b"t" if text else b"i"
+    # Token ids packed once, in C, as little-endian int64 (a Python loop per id was the proxy's
+    # second-largest cost per request); block i is then a slice. The chain carries digests as bytes.
+    packed = b"" if text else struct.pack(f"<{len(prompt)}q", *prompt)
+    previous = _model_digest(model)
     hashes = []
     for start in range(0, len(prompt), block_size):
-        block = prompt[start : start + block_size]
-        if isinstance(block, str):
-            payload = block.encode()
+        if text:
+            payload = prompt[start : start + block_size].encode()
         else:
-            payload = b"".join(int(t).to_bytes(8, "little", signed=True) for t in block)
-        previous = _digest(previous.to_bytes(_DIGEST_BYTES, "little") + kind + payload)
-        hashes.append(previous)
+            payload = packed[8 * start : 8 * (start + block_size)]
+        previous = hashlib.blake2b(previous + kind + payload, digest_size=_DIGEST_BYTES).digest()
+        hashes.append(int.from_bytes(previous, "little"))
     return hashes
 
 
@@ -64,9 +71,19 @@ def request_prompt(body: Mapping[str, Any]) -> str | list[int]:
         prompt = prompt[0]
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, list) and _all_ints(prompt):
         return prompt
     return json.dumps(prompt, sort_keys=True)  # something odd: still route it consistently
+
+
+def _all_ints(values: list) -> bool:
+    """Every item an int that block_hashes can pack (checked in C: a Python loop per token id cost more
+    than the hashing)."""
+    try:
+        struct.pack(f"<{len(values)}q", *values)
+    except struct.error:
+        return False
+    return True
 
 
 class PrefixTable:
@@ -146,32 +163,45 @@ def choose_replica(
     imbalance_threshold: int,
     served: Mapping[str, int] | None = None,
     policy: RoutingPolicy = "prefix",
+    capacity: Mapping[str, int | None] | None = None,
 ) -> RouteDecision:
     """Pick a replica among the keys of `in_flight` (the eligible ones, with their in-flight counts).
 
-    The replica with the most prompt-specific matching blocks wins unless its in-flight count exceeds the
+    The replica with the most prompt-specific matching blocks wins unless its load exceeds the
     least-loaded replica's by more than `imbalance_threshold` (then the least-loaded: a spill). Without any
-    match, the least-loaded. Ties go to fewer in-flight, then fewer requests served so far (so sequential
+    match, the least-loaded. Ties go to less load, then fewer requests served so far (so sequential
     traffic alternates), then the smaller replica id: the same inputs always give the same answer.
     The baselines `round_robin` and `least_loaded` ignore prefixes (reason "unmatched").
+
+    Load is relative to `capacity` (concurrent sequences a replica runs, vLLM's max_num_seqs), so a
+    replica twice as large takes about twice the traffic: in-flight and served counts are divided by
+    the replica's capacity and multiplied by the smallest eligible one's. The threshold thus stays a
+    number of requests on the smallest replica, and a GRPO group of G <= threshold requests still never
+    spills by its own weight. Replicas of unknown capacity (missing, None or < 1) count as the smallest
+    known one; with no capacities, or equal ones, loads are the raw counts.
     """
     if not in_flight:
         raise ValueError("no eligible replica")
     served = served or {}
+    sizes = {r: c for r, c in (capacity or {}).items() if r in in_flight and c is not None and c >= 1}
+    smallest = min(sizes.values(), default=1)
 
-    def load_key(replica_id: str) -> tuple[int, int, str]:
-        return in_flight[replica_id], served.get(replica_id, 0), replica_id
+    def relative(count: int, replica_id: str) -> float:
+        # One division of exact integers: equal ratios compare equal (no float drift breaks a tie).
+        return count * smallest / sizes.get(replica_id, smallest)
 
-    least_loaded = min(in_flight, key=load_key)
+    # Per replica, once: (load, requests served, id), the order of "less loaded".
+    keys = {r: (relative(n, r), relative(served.get(r, 0), r), r) for r, n in in_flight.items()}
+    least_loaded = min(keys, key=keys.__getitem__)
     if policy == "least_loaded":
         return RouteDecision(least_loaded, "unmatched", 0)
     if policy == "round_robin":
-        # Fewest requests so far: over eligible replicas this is a rotation that survives joins and leaves.
-        return RouteDecision(min(in_flight, key=lambda r: (served.get(r, 0), r)), "unmatched", 0)
+        # Fewest requests so far (per unit of capacity): a rotation that survives joins and leaves.
+        return RouteDecision(min(keys, key=lambda r: keys[r][1:]), "unmatched", 0)
     matches = specific_matches(hashes, table, in_flight)
-    best = min(in_flight, key=lambda r: (-matches[r], *load_key(r)))
+    best = min(keys, key=lambda r: (-matches[r], keys[r]))
     if matches[best] == 0:
         return RouteDecision(least_loaded, "unmatched", 0)
-    if in_flight[best] - in_flight[least_loaded] > imbalance_threshold:
+    if keys[best][0] - keys[least_loaded][0] > imbalance_threshold:
         return RouteDecision(least_loaded, "spill", 0)
     return RouteDecision(best, "affinity", matches[best])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import statistics
 
+from rl_cluster.core.evaluation import eval_summary
+
 
 def step_record(step: int, logs: dict, policy_version: int, handoff_s: float | None) -> dict:
     """The per-step metrics we keep (one line of metrics.jsonl), from TRL's logged dict."""
@@ -30,7 +32,9 @@ def _fmt(value, spec: str) -> str:
 # Lines a run prints that must each reach the job's logs (Ray's RAY_DEDUP_LOGS_ALLOW_REGEX). Ray's
 # driver collapses lines that differ only in their numbers when several sources print them ("[repeated
 # 16x across cluster]"), which would swallow progress lines.
-NEVER_DEDUPLICATED = r"step +\d+/\d+  reward|checkpoint step \d+ published|SERVED != TRAINED"
+NEVER_DEDUPLICATED = (
+    r"step +\d+/\d+  reward|checkpoint step \d+ published|SERVED != TRAINED|eval step +\d+  pass@1"
+)
 
 
 def progress_line(record: dict, max_steps: int) -> str:
@@ -60,6 +64,7 @@ def summarize(
     error: str | None = None,
     placement: dict | None = None,
     replica_restarts: dict | None = None,
+    scale_events: list[dict] | None = None,
 ) -> dict:
     """`status`: finished, stopped (a signal, `ray job stop`) or failed (`error` says why); a run that did
     not finish is summarised with what it did. `placement`: actor -> {address, node_id}."""
@@ -82,11 +87,17 @@ def summarize(
         "handoff_s_p50": statistics.median(handoffs) if handoffs else None,
         "handoff_s_max": max(handoffs) if handoffs else None,
         "dropped_stale_samples": int(sum(r["dropped_stale"] for r in history)),
+        "groups": trainer_result.get("groups", {}),
         "mean_staleness": _mean([r["staleness"] for r in history]),
         "routing": proxy_stats.get("routing", {}),
         "checkpoints": trainer_result.get("checkpoints", []),
         "placement": placement or {},
         "replica_restarts": replica_restarts or {},
+        # The pool controller's changes (rl_cluster.core.scaling.ScaleEvent.as_dict): time, from, to, reason,
+        # first_request_s (decision -> the new replica's first routed request), drain per removed replica.
+        "scale_events": scale_events or [],
+        # Held-out evals (rl_cluster.core.evaluation.eval_summary): first, last, pass@1 / mean@k per step.
+        "eval": eval_summary(trainer_result.get("evals", [])),
     }
 
 
@@ -97,6 +108,17 @@ def exit_status(summary: dict, tolerance: float) -> int:
         return 1
     gap = summary["served_vs_trained_gap"]
     return 0 if gap is not None and gap <= tolerance else 2
+
+
+def _groups_line(groups: dict) -> str:
+    if not groups:
+        return "-"
+    generated = groups["generated"]
+    share = f" ({groups['dropped_stale'] / generated:.1%} of generated)" if generated else ""
+    return (
+        f"{generated} generated, {groups['trained']} trained, {groups['dropped_stale']} dropped stale{share}, "
+        f"{groups['failed']} failed"
+    )
 
 
 def summary_table(summary: dict) -> str:
@@ -113,14 +135,23 @@ def summary_table(summary: dict) -> str:
             f"{_fmt(summary['handoff_s_p50'], '.3f')} / {_fmt(summary['handoff_s_max'], '.3f')} s",
         ),
         ("dropped stale samples", summary["dropped_stale_samples"]),
+        ("groups", _groups_line(summary.get("groups") or {})),
         ("mean staleness", _fmt(summary["mean_staleness"], ".2f")),
     ]
+    evaluated = summary.get("eval")
+    if evaluated:
+        for which in ("first", "last"):
+            e = evaluated[which]
+            rows.append((f"eval, {which} (step {e['step']})",
+                         f"pass@1 {_fmt(e['pass@1'], '.3f')}  mean@{e['k']} {_fmt(e['mean@k'], '.3f')}"))  # fmt: skip
     for rid, n in summary["requests"].items():
         loaded = len(summary["versions_loaded"][rid])
         rows.append((f"replica {rid}", f"{n} requests, {loaded} versions loaded"))
     restarted = {rid: n for rid, n in summary.get("replica_restarts", {}).items() if n}
     if restarted:
         rows.append(("replica restarts", ", ".join(f"{rid} {n}" for rid, n in restarted.items())))
+    for event in summary.get("scale_events", []):
+        rows.append(("pool scaled", f"{event['from']} -> {event['to']}: {event['reason']}"))
     for actor, where in summary.get("placement", {}).items():
         rows.append((f"{actor} on", where["address"]))
     width = max(len(k) for k, _ in rows)

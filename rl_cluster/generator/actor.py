@@ -31,6 +31,17 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def max_num_seqs(extra_args: list[str]) -> int | None:
+    """The replica's capacity when its flags set it (`--max-num-seqs N`); None leaves it to the proxy,
+    which asks the server (vLLM's default depends on the hardware)."""
+    for i, arg in enumerate(extra_args):
+        if arg.startswith("--max-num-seqs="):
+            return int(arg.split("=", 1)[1])
+        if arg == "--max-num-seqs" and i + 1 < len(extra_args):
+            return int(extra_args[i + 1])
+    return None
+
+
 SUPERVISE_INTERVAL_S = 2.0
 UNHEALTHY_CHECKS = 3  # a server busy with long prefills may miss one /health; three in a row is dead
 HEALTH_TIMEOUT = aiohttp.ClientTimeout(total=10)
@@ -101,7 +112,9 @@ class Generator:
         self.vllm = HttpAdapterLoader(self.server.url, self._session)
         if proxy is not None:
             me = ray.get_runtime_context().current_actor
-            await proxy.add_replica.remote(self.replica_id, self.server.url, ActorAdapterLoader(me))
+            await proxy.add_replica.remote(
+                self.replica_id, self.server.url, ActorAdapterLoader(me), max_num_seqs(g.extra_args)
+            )
             self.proxy = proxy
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
         return self.server.url

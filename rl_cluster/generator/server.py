@@ -21,7 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
-from rl_cluster.generator.vllm_compat import API_KEY_ENV, SERVER_MODULE
+from rl_cluster.generator.vllm_compat import API_KEY_ENV, SERVER_MODULE, cpu_engine_args
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,8 @@ class ServerSpec:
         ]  # fmt: skip
         if self.use_gpu:
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        else:
+            cmd += cpu_engine_args(self.max_model_len)  # seeded long prompts crash a chunked prefill
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
         if self.api_key:

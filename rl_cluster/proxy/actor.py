@@ -57,8 +57,10 @@ class ProxyActor:
                 logger.exception("exporting proxy metrics to Ray failed")
             await asyncio.sleep(EXPORT_INTERVAL_S)
 
-    async def add_replica(self, replica_id: str, url: str, control: AdapterLoader | None = None) -> None:
-        await self._server.add_replica(replica_id, url, control)
+    async def add_replica(
+        self, replica_id: str, url: str, control: AdapterLoader | None = None, capacity: int | None = None
+    ) -> None:
+        await self._server.add_replica(replica_id, url, control, capacity)
 
     async def remove_replica(self, replica_id: str, drain_timeout_s: float = 300.0) -> None:
         await self._server.remove_replica(replica_id, drain_timeout_s)
@@ -81,3 +83,10 @@ class ProxyActor:
         if self._exporter is not None:
             self._exporter.cancel()
         await self._server.stop()
+
+    async def drain_replica(self, replica_id: str, timeout_s: float = 300.0) -> dict:
+        """Scale-in, first half: no new requests for the replica, wait (bounded) for its in-flight ones.
+        It stays registered until remove_replica (its generator's shutdown); see ReplicaPool.drain."""
+        # Straight to the pool: the HTTP layer has no drain route, and an operator scales through the
+        # pool controller (rl_cluster.pool), never by calling the proxy.
+        return await self._server._pool.drain(replica_id, timeout_s)

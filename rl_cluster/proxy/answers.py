@@ -15,8 +15,14 @@ def error_response(
     return web.json_response(body, status=status)
 
 
-def no_active_replica() -> web.Response:
-    return error_response(503, "no active replica", "ServiceUnavailableError")
+def no_active_replica(waited_s: float | None = None) -> web.Response:
+    if waited_s is None:
+        return error_response(503, "no active replica", "ServiceUnavailableError")
+    message = (
+        f"no generator replica has been active for {waited_s:.0f} s (proxy.unavailable_timeout_s): every "
+        "replica is down or restarting; see the generators' vLLM logs"
+    )
+    return error_response(503, message, "ServiceUnavailableError")
 
 
 def reply(status: int, payload: Any) -> web.Response:

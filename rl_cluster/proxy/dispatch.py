@@ -52,10 +52,17 @@ class Dispatcher:
         hashes = block_hashes(adapter or "", request_prompt(body), self.config.block_size)
         tried: list[str] = []
         failure: ReplicaFailed | None = None
+        waited = False
         # Bounded: each replica is tried at most once, and only after the previous one failed before
         # the client received anything (ReplicaFailed).
         while True:
             eligible = [r for r in pool.book.eligible(adapter) if r not in tried]
+            if not eligible and not pool.book.active() and not waited:
+                waited = True  # every replica down: wait for one to come back (bounded), once
+                if await pool.wait_for_active():
+                    tried.clear()
+                    continue
+                return no_active_replica(waited_s=self.config.unavailable_timeout_s)
             if not eligible:
                 return self._no_replica_answer(model, adapter, failure)
             decision = choose_replica(
@@ -65,6 +72,7 @@ class Dispatcher:
                 self.config.imbalance_threshold,
                 served={r: pool.replicas[r].requests for r in eligible},
                 policy=self.config.routing_policy,
+                capacity={r: pool.replicas[r].capacity for r in eligible},
             )
             if tried:
                 self.retries += 1

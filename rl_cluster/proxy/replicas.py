@@ -56,6 +56,9 @@ class Replica:
     url: str
     loader: AdapterLoader
     requests: int = 0
+    capacity: int | None = None
+    """Concurrent sequences it runs (vLLM max_num_seqs): routing compares loads relative to it. None
+    until known (the replica reported none and its /server_info has not answered yet)."""
 
 
 class AdapterExists(Exception):
@@ -114,14 +117,19 @@ class ReplicaPool:
 
     # -- joining and catching up ------------------------------------------------------------------------
 
-    async def add(self, replica_id: str, url: str, loader: AdapterLoader) -> None:
-        """Register a healthy replica; it takes traffic once it has loaded every live adapter version."""
+    async def add(
+        self, replica_id: str, url: str, loader: AdapterLoader, capacity: int | None = None
+    ) -> None:
+        """Register a healthy replica; it takes traffic once it has loaded every live adapter version.
+        `capacity`: what the replica reported (None: learnt from its /server_info in the background)."""
         base, _ = await self._served_models(url)
         if self.base_models and base != self.base_models:
             raise ValueError(
                 f"replica {replica_id} at {url} serves {base}, the others serve {self.base_models}"
             )
-        replica = Replica(replica_id, url, loader)
+        replica = Replica(replica_id, url, loader, capacity=capacity)
+        if capacity is None:
+            self.spawn(self._learn_capacity(replica))
         async with self._adapter_lock:
             self.book.add_replica(replica_id)
             self.replicas[replica_id] = replica
@@ -135,6 +143,20 @@ class ReplicaPool:
         logger.info(
             "replica %s at %s active (%d adapters)", replica_id, url, len(self.book.loaded_on(replica_id))
         )
+
+    async def _learn_capacity(self, replica: Replica) -> None:
+        """Ask vLLM for its max_num_seqs. In the background: vLLM builds /server_info's environment
+        report on first use (~2 s here), and registration must not wait for it; until then the replica
+        counts as the smallest one known."""
+        url = f"{replica.url}/server_info?config_format=json"
+        try:
+            async with self.session.get(url, timeout=INFO_TIMEOUT) as response:
+                response.raise_for_status()
+                info = await response.json()
+            replica.capacity = int(info["vllm_config"]["scheduler_config"]["max_num_seqs"])
+            logger.info("replica %s runs up to %d sequences at once", replica.replica_id, replica.capacity)
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as e:
+            logger.warning("capacity of replica %s unknown (%s: %s)", replica.replica_id, type(e).__name__, e)
 
     async def _served_models(self, url: str) -> tuple[list[str], set[str]]:
         """The base model ids and the adapter names a replica serves right now (its /v1/models)."""
@@ -271,14 +293,7 @@ class ReplicaPool:
         """Stop routing to the replica, wait (bounded) for its in-flight requests, then forget it."""
         if replica_id not in self.replicas:
             raise KeyError(f"unknown replica {replica_id!r}")
-        self.book.drain(replica_id)
-        deadline = time.monotonic() + drain_timeout_s
-        while self.book.in_flight(replica_id) and time.monotonic() < deadline:
-            self._drained.clear()
-            try:
-                await asyncio.wait_for(self._drained.wait(), deadline - time.monotonic())
-            except TimeoutError:
-                break
+        await self.drain(replica_id, drain_timeout_s)
         if self.book.in_flight(replica_id):
             logger.warning(
                 "removing replica %s with %d requests still in flight",
@@ -286,6 +301,25 @@ class ReplicaPool:
                 self.book.in_flight(replica_id),
             )
         self._forget(replica_id)
+
+    async def drain(self, replica_id: str, timeout_s: float) -> dict:
+        """Take the replica out of routing for good and wait (bounded) until nothing is in flight on it.
+        It stays registered (draining: no new requests, still paused and resumed with the others) until
+        remove(), so its server can be stopped only after this returns. Idempotent. Returns
+        {"in_flight_at_start", "in_flight_left", "drain_s"}: what the scale-in waited for."""
+        if replica_id not in self.replicas:
+            raise KeyError(f"unknown replica {replica_id!r}")
+        start, at_start = time.monotonic(), self.book.in_flight(replica_id)
+        self.book.drain(replica_id)
+        deadline = start + timeout_s
+        while self.book.in_flight(replica_id) and time.monotonic() < deadline:
+            self._drained.clear()
+            try:
+                await asyncio.wait_for(self._drained.wait(), deadline - time.monotonic())
+            except TimeoutError:
+                break
+        left = self.book.in_flight(replica_id) if replica_id in self.replicas else 0
+        return {"in_flight_at_start": at_start, "in_flight_left": left, "drain_s": time.monotonic() - start}
 
     def _forget(self, replica_id: str) -> None:
         if self.replicas.pop(replica_id, None) is not None:
@@ -311,7 +345,20 @@ class ReplicaPool:
         the replicas it went to. Raises AdapterExists, NoActiveReplica or broadcast.LoadFailed."""
         return await self._detached(self._load(name, path))
 
+    async def wait_for_active(self) -> bool:
+        """True once a replica is active; False when none was for proxy.unavailable_timeout_s. A replica
+        that is down comes back by itself (its actor restarts it), so requests wait for it rather than
+        fail the run at once."""
+        deadline = time.monotonic() + self.config.unavailable_timeout_s
+        while not self.book.active():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.25)
+        return True
+
     async def _load(self, name: str, path: str) -> list[str]:
+        # Outside the lock: a returning replica's catch-up takes it before the replica is active.
+        await self.wait_for_active()
         async with self._adapter_lock:
             if self.book.known(name):
                 raise AdapterExists(name)
@@ -385,6 +432,7 @@ class ReplicaPool:
                 "url": replica.url,
                 "state": str(self.book.state(rid)),
                 "requests": replica.requests,
+                "capacity": replica.capacity,
                 "in_flight": self.book.in_flight(rid),
                 "adapters_loaded": sorted(self.book.loaded_on(rid)),
                 "adapters_ever_loaded": sorted(self.book.ever_loaded_on(rid)),

@@ -29,7 +29,7 @@ from rl_cluster.proxy.answers import error_response, no_active_replica, reply
 from rl_cluster.proxy.broadcast import LoadFailed
 from rl_cluster.proxy.dispatch import Dispatcher
 from rl_cluster.proxy.forward import DATA_TIMEOUT
-from rl_cluster.proxy.metrics import LatencyHistogram, render_prometheus
+from rl_cluster.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from rl_cluster.proxy.replicas import INFO_TIMEOUT, AdapterExists, NoActiveReplica, ReplicaPool
 from rl_cluster.proxy.validation import (
     Invalid,
@@ -56,6 +56,11 @@ class _Answer(Exception):
         self.response = response
 
 
+def _too_large(limit: int) -> web.Response:
+    # Built only when needed: an answer made in advance for every request cost more than its routing.
+    return error_response(413, f"request body over {limit} bytes", "RequestTooLarge")
+
+
 class ProxyServer:
     """The proxy's HTTP server. Runs on the caller's asyncio event loop.
 
@@ -69,7 +74,8 @@ class ProxyServer:
         self.config = config
         self.adapter_root = adapter_root
         self._replica_headers = {"Authorization": f"Bearer {replica_key}"} if replica_key else {}
-        self.broadcast_latency = LatencyHistogram()
+        self.metrics = ProxyMetrics(self.stats)
+        self.broadcast_latency = self.metrics.broadcast_latency
         self._pool = ReplicaPool(config, self.broadcast_latency)
         self._dispatch = Dispatcher(config, self._pool)
         self._runner: web.AppRunner | None = None
@@ -129,11 +135,15 @@ class ProxyServer:
 
     # -- the replica pool, for the ProxyActor and tests -------------------------------------------------
 
-    async def add_replica(self, replica_id: str, url: str, control: AdapterLoader | None = None) -> None:
+    async def add_replica(
+        self, replica_id: str, url: str, control: AdapterLoader | None = None, capacity: int | None = None
+    ) -> None:
         """Register a healthy replica; it takes traffic once it has loaded every live adapter version.
-        `control` loads adapters on it (None: straight through its vLLM HTTP routes)."""
+        `control` loads adapters on it (None: straight through its vLLM HTTP routes). `capacity`: the
+        sequences it runs at once (None: the proxy asks its vLLM server)."""
         url = url.rstrip("/")
-        await self._pool.add(replica_id, url, control or HttpAdapterLoader(url, self._admin_session))
+        loader = control or HttpAdapterLoader(url, self._admin_session)
+        await self._pool.add(replica_id, url, loader, capacity)
 
     async def remove_replica(self, replica_id: str, drain_timeout_s: float = 300.0) -> None:
         """Stop routing to the replica, wait (bounded) for its in-flight requests, then forget it."""
@@ -182,13 +192,12 @@ class ProxyServer:
     async def _read_json(self, request: web.Request) -> tuple[bytes, dict]:
         """The request's raw body and its JSON object; a 413 or 400 answer when it is not one."""
         limit = self.config.max_body_bytes
-        too_large = error_response(413, f"request body over {limit} bytes", "RequestTooLarge")
         if request.content_length is not None and request.content_length > limit:
-            raise _Answer(too_large)
+            raise _Answer(_too_large(limit))
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise _Answer(too_large) from None
+            raise _Answer(_too_large(limit)) from None
         return raw, parse_json_object(raw)
 
     async def _get_from_replica(self, path: str, query: str) -> tuple[int, Any]:
@@ -235,8 +244,7 @@ class ProxyServer:
         return web.json_response(self.stats())
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        text = render_prometheus(self.stats(), self.broadcast_latency)
-        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     # -- generation -------------------------------------------------------------------------------------
 
@@ -276,7 +284,7 @@ class ProxyServer:
                 "InvalidUserInput",
             )
         except NoActiveReplica:
-            return no_active_replica()
+            return no_active_replica(waited_s=self.config.unavailable_timeout_s)
         except LoadFailed as e:
             logger.error("%s", e)
             replicas = {r: str(err) for r, err in e.failures.items()}

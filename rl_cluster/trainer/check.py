@@ -50,7 +50,8 @@ def trainer_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) ->
 
 def served_vs_trained_gap(model, replica_urls: list[str], adapter: str, prompt_ids: list[int], n: int,
                           max_tokens: int, api_key: str | None = None) -> dict[str, float]:  # fmt: skip
-    """Mean absolute logprob difference per replica over n sampled completions."""
+    """Mean absolute logprob difference per replica over n sampled completions; a replica that cannot be
+    reached (it died after it was listed) is left out."""
     from rl_cluster.trainer.compat import plain_attention  # TRL: only in the trainer, not the driver
 
     was_training = model.training
@@ -59,8 +60,18 @@ def served_vs_trained_gap(model, replica_urls: list[str], adapter: str, prompt_i
     try:
         with plain_attention(model):
             for url in replica_urls:
+                try:
+                    samples = sample_from_replica(url, adapter, prompt_ids, n, max_tokens, api_key)
+                except (requests.ConnectionError, requests.Timeout) as e:
+                    # It was active when listed and died since (its actor restarts it): the check goes on
+                    # with the others rather than failing the sync.
+                    print(
+                        f"served-vs-trained check: {url} did not answer ({type(e).__name__}); skipped",
+                        flush=True,
+                    )
+                    continue
                 diffs = []
-                for sample in sample_from_replica(url, adapter, prompt_ids, n, max_tokens, api_key):
+                for sample in samples:
                     ours = trainer_logprobs(model, prompt_ids, sample["token_ids"])
                     diffs.append((ours - torch.tensor(sample["logprobs"])).abs())
                 gaps[url] = float(torch.cat(diffs).mean()) if diffs else float("nan")

@@ -27,21 +27,54 @@ unpatched code fails on a CPU machine) and that the replacement is correct.
    sequences) fails with a TypeError. `plain_attention` switches the model to SDPA for a moment.
 8. TRL's default pipeline limits let generation run ahead of training: `queue_maxsize` 1024 samples
    and `max_inflight_tasks` max_staleness steps' worth *on top of* the queue, so a sample can wait
-   behind more than max_staleness steps of work and is then dropped as stale. `pipeline_limits` keeps
-   queued + in flight within the staleness window.
+   behind more than max_staleness steps of work and is then dropped as stale. With admission (item 10)
+   doing the bounding, `pipeline_limits` sizes both so that they never bind before it.
 9. TRL's default PrinterCallback prints every step's whole log dict (our StepReporter prints one line
    per step), and the closing log of `train()` repeats the last step with runtime totals, which must
    not count as a step of its own (`is_step_log`).
+10. TRL starts a group whenever an in-flight slot is free, however far generation is ahead of the
+   trainer; what the trainer cannot consume within max_staleness versions is generated and then dropped
+   (31 % of the demo's samples). `GroupPinnedRolloutLoop` also admits groups
+   (rl_cluster.core.admission): a group's first sample waits until the group fits under the limit the
+   trainer sets at each sync, and the group's version is the one current when it was admitted.
+11. accelerate's prepared DataLoader (`DataLoaderDispatcher`, also `DataLoaderShard`) fetches the batch
+   after the one it yields, to see the end of the data coming: before step k trains, step k+1's
+   samples are pulled. A lockstep trainer (step k+1 generated after sync k) then waits forever for
+   samples that are only admitted after step k, and the async one judges staleness a step early.
+   `without_lookahead` yields each batch as it is pulled (one process: nothing to dispatch).
+12. The rollout loop's kwargs travel to a spawned child. TRL first `pickle.dumps` them to fail early on
+   lambdas, outside spawning, where multiprocessing's shared arrays cannot be pickled, so TRL refuses
+   to start ("must be picklable"): `TrainerPosition` pickles to a placeholder for that check.
+13. When training ends, the rollout child exits with scored samples nobody will read still in the
+   rollout buffer; a multiprocessing queue's exiting process waits until its feeder thread wrote them
+   all into the pipe, which blocks once the pipe is full. TRL then waits 15 s and terminates it ("Child
+   did not exit within 15s"). The loop lets the buffer go on stop (`cancel_join_thread`).
+14. The rollout child is a `daemon` process, which only matters when its parent exits normally: when the
+   trainer process is killed (SIGKILL, the OOM killer, a lost actor), the child lives on, generating
+   against the proxy for a trainer that is gone, beside the restarted one. `exit_with_parent` ends it
+   when its parent's sentinel closes.
+15. TRL tells reward functions nothing about truncation (no finish reason), yet a completion cut off
+   at max_new_tokens must not earn a reward for a half-written answer. The loop passes
+   `truncated` (one bool per completion) by TRL's own rule for its `completions/clipped_ratio`: the
+   completion does not end on an EOS or pad token. Reward functions take `**kwargs`; the math graders
+   score a truncated completion 0.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
+import multiprocessing
+import multiprocessing.context
+import os
+import threading
 
 import torch
 import torch.nn.functional as F
 from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
+
+from rl_cluster.core.admission import AdmissionWindow, admits
 
 
 def varlen_attention(
@@ -132,35 +165,141 @@ def bound_score_queue(trainer, groups: int) -> None:
     trainer.rollout_worker._loop_kwargs["score_queue_maxsize"] = groups
 
 
-# The version the group of the sample being generated was pinned to (set per sample's asyncio task).
+# The version the group of the sample being generated runs under (set per sample's asyncio task).
 _GROUP_VERSION: contextvars.ContextVar[int | None] = contextvars.ContextVar("group_version", default=None)
+ADMISSION_POLL_S = 0.02
+
+
+class TrainerPosition:
+    """Counters the trainer and its rollout child share (items 10, 12), each written by one side only:
+    samples the trainer pulled, the admission limit it sets at each sync (both trainer), and groups the
+    child scored or saw fail (child)."""
+
+    PULLED, LIMIT, SCORED, FAILED = range(4)
+
+    def __init__(self, ctx, limit: int):
+        self._values = ctx.Array("q", 4, lock=False)  # one writer per slot: no lock needed
+        self._values[self.LIMIT] = limit
+
+    @classmethod
+    def _attached(cls, values) -> TrainerPosition:
+        position = cls.__new__(cls)
+        position._values = values
+        return position
+
+    def __reduce__(self):
+        if multiprocessing.context.get_spawning_popen() is None:
+            return (_PicklabilityProbe, ())  # TRL's early pickle check (item 12)
+        return (TrainerPosition._attached, (self._values,))
+
+    def __getitem__(self, slot: int) -> int:
+        return self._values[slot]
+
+    def __setitem__(self, slot: int, value: int) -> None:
+        self._values[slot] = value
+
+    def add(self, slot: int, n: int = 1) -> None:
+        self._values[slot] += n
+
+
+def exit_with_parent() -> None:
+    """In a multiprocessing child: exit at once when the parent process dies (item 14)."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return  # not a multiprocessing child (a test constructing the loop in-process)
+
+    def watch() -> None:
+        parent.join()  # returns when the parent's sentinel closes: it exited or was killed
+        os._exit(1)
+
+    threading.Thread(target=watch, name="rl-cluster-parent-watch", daemon=True).start()
+
+
+class _Stopped(Exception):
+    """The rollout loop is stopping while a sample waits for admission."""
+
+
+class _PicklabilityProbe:
+    """What TRL's early pickle check of the loop kwargs sees in place of a TrainerPosition."""
 
 
 class GroupPinnedRolloutLoop(_AsyncRolloutLoop):
-    """TRL's rollout loop, with every sample of a group generated under the group's version (item 6).
+    """TRL's rollout loop, with every sample of a group generated under the group's version (item 6), and
+    groups admitted only when the trainer will consume them in time (item 10).
 
     `pinned_window`: how many versions back a pinned group may ask for. An older group is dropped as
     stale when scored, and its adapter may be unloaded already (the trainer unloads versions that left
     the window), so its remaining samples ask for the newest version instead of failing.
+    `position`: the counters shared with the trainer; None admits every group at once (TRL's behaviour).
     """
 
-    def __init__(self, *args, pinned_window: int, **kwargs):
+    def __init__(self, *args, pinned_window: int, position: TrainerPosition | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.pinned_window = pinned_window
-        self._group_versions: dict[int, list[int]] = {}  # group id -> [version, samples dispatched]
+        self.position = position
+        self._group_versions: dict[int, int] = {}  # group id -> version, from admission until scored
+        self._admitted_samples = 0
+        self._admission_lock: asyncio.Lock | None = None
+        self._failed_groups: set[int] = set()
+        self._stopping: asyncio.Event | None = None
+        exit_with_parent()  # item 14; the loop is constructed in the child
+
+    async def _generate_loop(self, stop_event: asyncio.Event) -> None:
+        # A sample waiting at admission never finishes by itself, and TRL's loop returns only once its
+        # in-flight samples did: on stop they raise _Stopped, which ends the loop through its own cleanup.
+        self._stopping = stop_event
+        try:
+            with contextlib.suppress(_Stopped):
+                await super()._generate_loop(stop_event)
+        finally:
+            if stop_event.is_set():
+                self.rollout_buffer.cancel_join_thread()  # item 13: nobody reads what is left
 
     def _generate_one(self, prompt, tool_dict, tools, group_id: int = 0):
-        # Not a coroutine function on purpose: this body runs when the generate loop dispatches the sample,
-        # in the same synchronous stretch in which it created the group and read its version.
-        entry = self._group_versions.setdefault(group_id, [self.model_version, 0])
-        entry[1] += 1
-        if entry[1] >= self.num_generations:
-            del self._group_versions[group_id]  # every sample dispatched
-        return self._generate_pinned(entry[0], prompt, tool_dict=tool_dict, tools=tools, group_id=group_id)
+        return self._generate_in_group(group_id, prompt, tool_dict=tool_dict, tools=tools)
 
-    async def _generate_pinned(self, version: int, *args, **kwargs):
+    async def _generate_in_group(self, group_id: int, *args, **kwargs):
+        version = self._group_versions.get(group_id)
+        if version is None:
+            version = await self._admit(group_id)
         _GROUP_VERSION.set(version)  # this sample's task has its own context
-        return await super()._generate_one(*args, **kwargs)
+        try:
+            return await super()._generate_one(*args, group_id=group_id, **kwargs)
+        except Exception:
+            if self.position is not None and group_id not in self._failed_groups:
+                self._failed_groups.add(group_id)
+                self.position.add(TrainerPosition.FAILED)
+            raise
+
+    async def _admit(self, group_id: int) -> int:
+        """Wait until the group fits under the trainer's limit; its version is the one current then.
+        Groups are admitted in the order their first samples arrive (asyncio.Lock is fair)."""
+        if self._admission_lock is None:
+            self._admission_lock = asyncio.Lock()
+        async with self._admission_lock:
+            if group_id not in self._group_versions:
+                if self.position is not None:
+                    limit = TrainerPosition.LIMIT
+                    while not admits(self._admitted_samples, self.num_generations, self.position[limit]):
+                        if self._stopping is not None and self._stopping.is_set():
+                            raise _Stopped
+                        await asyncio.sleep(ADMISSION_POLL_S)
+                    self._admitted_samples += self.num_generations
+                self._group_versions[group_id] = self.model_version
+        return self._group_versions[group_id]
+
+    async def _score_group(self, group):
+        # Staleness counts from the version the group was generated under, not the one current when its first
+        # sample took an in-flight slot (it may have waited for admission across a sync).
+        group.model_version = self._group_versions.pop(group.group_id, group.model_version)
+        ends = (*self.eos_token_ids, self.tokenizer.pad_token_id)
+        group.reward_kwargs["truncated"] = [
+            not ids or ids[-1] not in ends for ids in group.completions_ids
+        ]  # item 15
+        samples = await super()._score_group(group)
+        if self.position is not None:
+            self.position.add(TrainerPosition.SCORED)
+        return samples
 
     @property
     def _request_model(self) -> str:
@@ -170,13 +309,37 @@ class GroupPinnedRolloutLoop(_AsyncRolloutLoop):
         return f"{self.lora_name}-v{pinned}"
 
 
-def pin_group_versions(trainer, window: int) -> None:
-    """Generate each group under one adapter version (item 6); before train(), which spawns the loop."""
+def pin_group_versions(trainer, window: int, position: TrainerPosition | None = None) -> None:
+    """Generate each group under one adapter version (item 6), admitted against `position` (item 10);
+    before train(), which spawns the loop."""
     worker = trainer.rollout_worker
     if worker._loop_cls is not _AsyncRolloutLoop:
         raise RuntimeError(f"pin_group_versions would replace a custom rollout loop {worker._loop_cls!r}")
     worker._loop_cls = GroupPinnedRolloutLoop
     worker._loop_kwargs["pinned_window"] = window
+    worker._loop_kwargs["position"] = position
+
+
+class _BatchesAsPulled:
+    """Each batch of a one-process DataLoader moved to the device as it is pulled, no look-ahead (item 11)."""
+
+    def __init__(self, dataloader, device):
+        self.dataloader = dataloader
+        self.device = device
+
+    def __iter__(self):
+        from accelerate.utils import send_to_device
+
+        for batch in self.dataloader:
+            yield send_to_device(batch, self.device)
+
+
+def without_lookahead(prepared, accelerator):
+    """The trainer's DataLoader without accelerate's fetch-ahead (item 11). With several processes the
+    dispatcher has to broadcast batches, so it stays (the lockstep mode refuses that case)."""
+    if accelerator.num_processes != 1:
+        return prepared
+    return _BatchesAsPulled(prepared.base_dataloader, accelerator.device)
 
 
 @contextlib.contextmanager
@@ -191,13 +354,13 @@ def plain_attention(model):
         inner.set_attn_implementation(previous)
 
 
-def pipeline_limits(completions_per_step: int, queue_steps: int, max_staleness: int) -> dict:
-    """AsyncGRPOConfig's queue and in-flight bounds (item 8): a sample waits behind everything queued and
-    in flight; keep that under max_staleness steps' worth, or most of what is generated goes stale."""
-    return {
-        "queue_maxsize": completions_per_step * queue_steps,
-        "max_inflight_tasks": completions_per_step * max(1, max_staleness - queue_steps),
-    }
+def pipeline_limits(window: AdmissionWindow, num_generations: int) -> dict:
+    """AsyncGRPOConfig's queue and in-flight bounds (item 8). TRL's defaults (1024 queued samples, and
+    max_staleness steps' worth in flight on top) let generation run far ahead; with admission (item 10)
+    the bound is the window, so size both to never bind before it: at most `window.limit(0)` samples are
+    admitted and not yet pulled, plus one group of samples waiting at admission in their slots."""
+    admitted = window.limit(pulled=0)
+    return {"queue_maxsize": admitted, "max_inflight_tasks": admitted + num_generations}
 
 
 def quiet_default_printer(trainer) -> None:

@@ -10,7 +10,9 @@ The adapter version lifecycle, from the trainer's side, is `BucketSyncTrainer._s
    (one sync later than the unload: vLLM re-reads evicted adapters from disk).
 
 Generation is not paused: each version has its own name, so in-flight groups finish on the policy they
-started with while the new one loads beside it.
+started with while the new one loads beside it. After each sync the trainer moves the admission limit
+(rl_cluster.core.admission): how many samples the rollout loop may have started by the time the trainer
+can no longer consume them within the staleness window (or, in lockstep mode, before the next sync).
 """
 
 from __future__ import annotations
@@ -24,8 +26,16 @@ from transformers import TrainerCallback
 from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer, save_lora_adapter
 
 from rl_cluster.bucket import Bucket
+from rl_cluster.core.admission import AdmissionWindow
 from rl_cluster.core.manifest import adapter_dir_name, split_adapter_dir_name
-from rl_cluster.trainer.compat import bound_score_queue, is_step_log, name_run_adapters, pin_group_versions
+from rl_cluster.trainer.compat import (
+    TrainerPosition,
+    bound_score_queue,
+    is_step_log,
+    name_run_adapters,
+    pin_group_versions,
+    without_lookahead,
+)
 from rl_cluster.trainer.proxy_client import ProxyClient
 
 
@@ -40,6 +50,8 @@ class BucketSyncTrainer(AsyncGRPOTrainer):
         base_fingerprint: str,
         keep_every: int,
         on_sync: Callable[[int, str, dict], None],
+        admission: AdmissionWindow,
+        first_version: int = 1,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
@@ -48,11 +60,18 @@ class BucketSyncTrainer(AsyncGRPOTrainer):
                 "rl_cluster publishes LoRA adapters only: the trainer needs a PEFT LoRA config and generators "
                 "started with --enable-lora (check generator.max_loras and generator.max_lora_rank)"
             )
+        if admission.window == 0 and self.accelerator.num_processes > 1:
+            raise ValueError("trainer.mode = 'sync' runs one trainer process; use 'async' with several")
         name_run_adapters(self, run_name)
-        pin_group_versions(self, window=self.args.max_staleness)
-        bound_score_queue(
-            self, groups=max(1, self.args.per_device_train_batch_size // self.args.num_generations)
-        )
+        self.admission = admission
+        self.position = TrainerPosition(self.rollout_worker._mp_ctx, limit=admission.limit(pulled=0))
+        pin_group_versions(self, window=self.args.max_staleness, position=self.position)
+        bound_score_queue(self, groups=max(1, admission.limit(pulled=0) // self.args.num_generations))
+        self.rollout_queue = _CountingQueue(self.rollout_queue, self._on_pull)
+        self._dropped_groups: set[int] = set()
+        # A resumed run's checkpoint remembers the version current when it was taken, but versions were
+        # published after it: names are never reused, so numbering continues after the highest one.
+        self.first_version = first_version
         self.run_name = run_name
         self.bucket = bucket
         self.proxy = proxy
@@ -61,8 +80,27 @@ class BucketSyncTrainer(AsyncGRPOTrainer):
         self.keep_every = keep_every
         self.on_sync = on_sync
 
+    def _on_pull(self, sample) -> None:
+        self.position.add(TrainerPosition.PULLED)
+        # The rule TRL's RolloutQueueDataset applies right after this pull, against the same version.
+        if self.model_version - sample.model_version > self.args.max_staleness:
+            self._dropped_groups.add(sample.group_id)
+
+    def get_train_dataloader(self):
+        return without_lookahead(super().get_train_dataloader(), self.accelerator)
+
+    def group_counts(self) -> dict:
+        """Groups by fate: `generated` (scored by the rollout loop), `trained`, `dropped_stale`, `failed`
+        (a sample's generation raised); generated - trained - dropped_stale are still queued."""
+        return {
+            "generated": self.position[TrainerPosition.SCORED],
+            "trained": len(self._trained_groups),
+            "dropped_stale": len(self._dropped_groups),
+            "failed": self.position[TrainerPosition.FAILED],
+        }
+
     def _sync_weight_lora(self, t0: float) -> tuple[float, float, float]:
-        version = self.model_version + 1
+        version = max(self.model_version + 1, self.first_version)
         name = adapter_dir_name(self._lora_name, version)
         model = self.accelerator.unwrap_model(self.model)
         peft_config = model.peft_config[self._adapter_name]
@@ -87,9 +125,17 @@ class BucketSyncTrainer(AsyncGRPOTrainer):
 
         self.model_version = version
         self.rollout_worker.update_model_version(version)
+        # After the version: a group admitted under the new limit is generated under the new version.
+        self.position[TrainerPosition.LIMIT] = self.admission.limit(
+            pulled=self.position[TrainerPosition.PULLED]
+        )
         stale = version - (self.args.max_staleness + 1)
-        if stale > 0:
-            self.proxy.unload_adapter(adapter_dir_name(self._lora_name, stale))
+        # Every routable version of this run that left the window, not just `stale`: after a resume the
+        # numbering jumps, and the proxy holds only what this job (or the trainer before a restart) loaded.
+        for routable in self.proxy.routable_adapters():
+            parsed = split_adapter_dir_name(routable)
+            if parsed and parsed[0] == self._lora_name and parsed[1] <= stale:
+                self.proxy.unload_adapter(routable)
         # Never delete what a replica still holds (a long request keeps an unloaded version loaded), and
         # keep files one sync past their unload: vLLM re-reads evicted adapters from disk.
         protected = set(range(max(stale - 1, 1), version + 1))
@@ -111,6 +157,22 @@ class BucketSyncTrainer(AsyncGRPOTrainer):
         }
         self.on_sync(version, name, timings)
         return t_saved, t_published, t_routable
+
+
+class _CountingQueue:
+    """The rollout buffer as the trainer's dataset sees it, telling `on_pull` about every sample pulled."""
+
+    def __init__(self, queue, on_pull: Callable[[object], None]):
+        self._queue = queue
+        self._on_pull = on_pull
+
+    def get(self, *args, **kwargs):
+        sample = self._queue.get(*args, **kwargs)
+        self._on_pull(sample)
+        return sample
+
+    def qsize(self) -> int:
+        return self._queue.qsize()
 
 
 class StepReporter(TrainerCallback):

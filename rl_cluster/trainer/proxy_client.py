@@ -46,6 +46,12 @@ class ProxyClient:
     def active_replica_urls(self) -> list[str]:
         return [r["url"] for r in self.replicas().values() if r["state"] == "active"]
 
+    def routable_adapters(self) -> set[str]:
+        """Adapter names open to new requests (loaded and not unloaded)."""
+        response = requests.get(f"{self.url}/replicas", headers=self.headers, timeout=30)
+        response.raise_for_status()
+        return set(response.json()["adapters_routable"])
+
     def loaded_adapters(self) -> set[str]:
         """Adapter names some replica still holds (an unloaded name stays until its last request ends)."""
         return {name for r in self.replicas().values() for name in r["adapters_loaded"]}

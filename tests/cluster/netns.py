@@ -32,6 +32,7 @@ import uuid
 from pathlib import Path
 
 VENV_BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[2]
 RAY_ADDRESS_FILE = Path("/tmp/ray/ray_current_cluster")
 
 
@@ -43,12 +44,16 @@ class NamespaceCluster:
     """`nodes`: name -> custom resources, the first one is the head. Node i gets `<subnet>.<i+1>`."""
 
     def __init__(self, prefix: str, subnet: str, nodes: dict[str, dict], env: dict[str, str] | None = None,
-                 num_cpus: int = 1):  # fmt: skip
+                 num_cpus: int = 1, head_args: list[str] = (), host_address: bool = False):  # fmt: skip
+        """`head_args`: more `ray start --head` flags (e.g. --autoscaling-config). `host_address`: give the
+        bridge `<subnet>.254`, so this process (outside every namespace) reaches the nodes' servers."""
         self.tag = uuid.uuid4().hex[:4]
         self.prefix = f"{prefix}{self.tag}"
         self.subnet = subnet
         self.nodes = nodes
         self.num_cpus = num_cpus
+        self.head_args = list(head_args)
+        self.host_address = f"{subnet}.254" if host_address else None
         self.bridge = f"{self.prefix}br"
         self.addresses = {name: f"{subnet}.{i + 1}" for i, name in enumerate(nodes)}
         self.head = next(iter(nodes))
@@ -80,6 +85,8 @@ class NamespaceCluster:
         _ip("link", "add", self.bridge, "type", "bridge")
         self._created.append(f"link:{self.bridge}")
         _ip("link", "set", self.bridge, "up")
+        if self.host_address:
+            _ip("addr", "add", f"{self.host_address}/24", "dev", self.bridge)
         for i, node in enumerate(self.nodes):
             ns, outside, inside = self.namespace(node), f"{self.prefix}v{i}", f"{self.prefix}p{i}"
             _ip("netns", "add", ns)
@@ -110,6 +117,27 @@ class NamespaceCluster:
             raise RuntimeError(f"{cmd} in {node} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
         return done
 
+    def driver_command(self, node: str, cmd: list[str]) -> list[str]:
+        """`cmd` inside `node`'s namespace *and* with its Ray directory as /tmp/ray: a Ray driver there
+        (jobs/serve.py, jobs/scale.py) finds the node's sockets and joins its cluster, as on that machine."""
+        script = f"mount --bind {self.ray_dir(node)} /tmp/ray && exec {' '.join(map(shlex.quote, cmd))}"
+        return ["ip", "netns", "exec", self.namespace(node), "sh", "-c", script]
+
+    def run_driver(self, node: str, cmd: list[str], timeout: float = 300, check: bool = True,
+                   env: dict | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+        done = subprocess.run(self.driver_command(node, cmd), env={**self.env, **(env or {})}, capture_output=True,
+                              text=True, timeout=timeout, cwd=REPO)  # fmt: skip
+        if check and done.returncode != 0:
+            raise RuntimeError(f"{cmd} in {node} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+        return done
+
+    def start_driver(self, node: str, cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+        """Like run_driver, in the background, stdout and stderr to `log`. close() ends it with the rest
+        (it runs inside the namespace)."""
+        with open(log, "wb") as out:
+            return subprocess.Popen(self.driver_command(node, cmd), env={**self.env, **(env or {})}, stdout=out,
+                                    stderr=subprocess.STDOUT, cwd=REPO)  # fmt: skip
+
     def ray_dir(self, node: str) -> Path:
         """What `node`'s Ray sees as /tmp/ray (its sessions, logs, unpacked working directories)."""
         return self.ray_root / node
@@ -120,7 +148,15 @@ class NamespaceCluster:
             common = [f"--node-ip-address={self.addresses[node]}", f"--num-cpus={self.num_cpus}",
                       f"--resources={json.dumps(resources)}", "--disable-usage-stats"]  # fmt: skip
             if node == self.head:
-                cmd = ["ray", "start", "--head", "--port=6379", "--dashboard-host=0.0.0.0", *common]
+                cmd = [
+                    "ray",
+                    "start",
+                    "--head",
+                    "--port=6379",
+                    "--dashboard-host=0.0.0.0",
+                    *common,
+                    *self.head_args,
+                ]
             else:
                 cmd = ["ray", "start", f"--address={head}:6379", *common]
             private = self.ray_dir(node)

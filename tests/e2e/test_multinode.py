@@ -186,6 +186,11 @@ def test_ray_job_submit_across_four_nodes(cluster, hub_env, tmp_path):
     run_dir = bucket / run
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["steps"] == 60
+    # Every group accounted for: 4 per step trained; what was generated but not trained or dropped is
+    # what admission let start for the steps after the last (within max_staleness + 1 steps' worth).
+    groups = summary["groups"]
+    assert groups["trained"] == 60 * 4 and groups["failed"] == 0, groups
+    assert 0 <= groups["generated"] - groups["trained"] - groups["dropped_stale"] <= 3 * 4, groups
 
     # Placement: four different nodes used as meant.
     where = {actor: p["address"] for actor, p in summary["placement"].items()}
@@ -262,3 +267,100 @@ def test_ray_job_stop_ends_the_run_cleanly(cluster, hub_env, tmp_path):
     while cluster.vllm_pids() and time.monotonic() < deadline:
         time.sleep(1)
     assert not cluster.vllm_pids(), "a vLLM server outlived `ray job stop`"
+
+
+def pids_running(cluster: NamespaceCluster, node: str, marker: bytes) -> list[int]:
+    """Processes in `node`'s namespace whose command line contains `marker`."""
+    found = []
+    for pid in cluster.pids()[node]:
+        try:
+            if marker in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" "):
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def parent_pid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+def adapter_tensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(path / "adapter_model.safetensors")
+
+
+def test_a_killed_trainer_and_a_killed_driver_resume(cluster, hub_env, tmp_path):
+    """(a) SIGKILL the trainer actor's process: Ray restarts it, it resumes from the newest checkpoint
+    and the run completes. (b) SIGKILL the driver of a run continued with --resume: the job dies, and
+    --resume once more takes it to its max_steps. Versions are never renumbered; the resumed policy is
+    the checkpoint's (its first published adapter holds the checkpoint's weights, bit for bit)."""
+    bucket, run = tmp_path / "bucket", "mn-resume"
+    keep = [f"bucket.uri={bucket}", f"model.path={HUB_ID}", "trainer.checkpoint_every=4",
+            "trainer.keep_checkpoints=20", "bucket.keep_every=1"]  # fmt: skip
+    submit(cluster, "rlc-res-a", hub_env, [f"run_name={run}", "trainer.max_steps=16", *keep])
+    wait_for_log(cluster, "rlc-res-a", r"checkpoint step 8 published", 900)
+    (trainer_pid,) = pids_running(cluster, "trainer", b"ray::Trainer")
+    rollout_children = [p for p in cluster.pids()["trainer"] if parent_pid(p) == trainer_pid]
+    assert rollout_children  # TRL's rollout worker, a spawned process of the trainer
+    cluster.run("trainer", ["kill", "-9", str(trainer_pid)])
+    resumed = wait_for_log(cluster, "rlc-res-a", r"trainer restarted by Ray: resuming from checkpoint step (\d+); "
+                                                 r"versions continue after v(\d+)", 600)  # fmt: skip
+    assert wait_terminal(cluster, "rlc-res-a", 900) == "SUCCEEDED", job_logs(cluster, "rlc-res-a")[-6000:]
+    summary = json.loads((bucket / run / "summary.json").read_text())
+    ckpt, highest = int(resumed.group(1)), int(resumed.group(2))
+    assert ckpt >= 8 and highest > ckpt  # versions were published after the checkpoint
+    assert (summary["status"], summary["trainer_restarts"], summary["resumed_from_step"]) == (
+        "finished",
+        1,
+        ckpt,
+    )
+    assert (
+        summary["steps"] == 16 and summary["groups"]["trained"] == 16 * 4 and summary["groups"]["failed"] == 0
+    )
+    numbers = [int(name.rsplit("-v", 1)[1]) for name in summary["versions_published"]]
+    # The record up to the checkpoint, then versions after the highest ever published (the ones published
+    # between the checkpoint and the kill belong to training that was thrown away).
+    assert numbers == [*range(1, ckpt + 2), *range(highest + 1, highest + 2 + 16 - ckpt)], numbers
+    first_after = f"{run}-v{highest + 1}"
+    # The restarted trainer starts from the checkpoint's policy, not from the base model.
+    restored = adapter_tensors(bucket / run / "adapters" / first_after)
+    saved = adapter_tensors(bucket / run / "checkpoints" / f"step-{ckpt}")
+    assert restored.keys() == saved.keys()
+    assert all((restored[name] == saved[name]).all() for name in saved)
+    # No orphan: the killed trainer's rollout child went with it.
+    assert not [p for p in rollout_children if alive(p)], rollout_children
+
+    # (b) continue the finished run to 28 steps; kill that job's driver midway.
+    submit(cluster, "rlc-res-b", hub_env, ["--resume", run, "trainer.max_steps=28", *keep])
+    wait_for_log(cluster, "rlc-res-b", r"checkpoint step 20 published", 900)
+    drivers = pids_running(cluster, "head", b"--resume " + run.encode())  # the entrypoint (and its shell)
+    assert drivers
+    cluster.run("head", ["kill", "-9", *map(str, drivers)])
+    assert wait_terminal(cluster, "rlc-res-b", 300) == "FAILED"
+    deadline = time.monotonic() + 60
+    while cluster.vllm_pids() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not cluster.vllm_pids(), "a vLLM server outlived its killed driver"
+
+    submit(cluster, "rlc-res-c", hub_env, ["--resume", run, "trainer.max_steps=28", *keep])
+    assert wait_terminal(cluster, "rlc-res-c", 900) == "SUCCEEDED", job_logs(cluster, "rlc-res-c")[-6000:]
+    summary = json.loads((bucket / run / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["resumed_from_step"] >= 20
+    steps = [json.loads(line)["step"] for line in (bucket / run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 29))  # the whole history, each step once
+    # Every version ever published is unique, and numbering only went up across the three jobs.
+    versions = sorted(int(p.name.rsplit("-v", 1)[1]) for p in (bucket / run / "adapters").iterdir())
+    assert versions == list(range(1, versions[-1] + 1))
+    assert summary["versions_published"][-1] == f"{run}-v{versions[-1]}"

@@ -24,11 +24,13 @@ VLLM_CPU_BLOCK = 128  # tokens per KV block in vLLM's CPU build: only whole bloc
 
 SECTIONS = {
     "## 1. Routing": 3,  # at least our three policies (vllm-router's two when it is installed)
-    "## 2. Proxy overhead": 2,
+    "## 2. Proxy overhead": 6,  # direct, the pass-through and ours under each of two loads
     "## 3. Handoff": 3,
     "## 4. Scaling": 2,
     "## 5. Asynchronous vs synchronous GRPO": 2,
+    "## 6. Proxy capacity": 2,  # ours and the pass-through (and vllm-router when installed)
 }
+LABEL_COLUMNS = {"## 2. Proxy overhead": 2}  # path and load
 NUMBER = re.compile(r"[-+]?\d+(\.\d+)?")
 PLOTS = ("routing", "overhead", "handoff", "scaling", "async_vs_sync")
 
@@ -72,8 +74,8 @@ def test_report_has_every_table_with_numbers_and_the_plots(bench_run):
         rows = table_rows(text, heading)
         assert len(rows) >= min_rows, (heading, rows)
         for row in rows:
-            # The label column aside, every cell holds a number ("-" marks a column that does not apply).
-            values = [cell for cell in row[1:] if cell != "-"]
+            # The label columns aside, every cell holds a number ("-" marks a column that does not apply).
+            values = [cell for cell in row[LABEL_COLUMNS.get(heading, 1) :] if cell != "-"]
             assert values and all(NUMBER.search(cell) for cell in values), (heading, row)
             assert not any("n/a" in cell or "nan" in cell.lower() for cell in row), (heading, row)
     # One table row per measured row, in the same order.
@@ -117,8 +119,16 @@ def test_routing_keeps_groups_together_and_obeys_the_cache_bound(bench_run):
 def test_overhead_and_scaling_are_measured_against_their_own_baseline(bench_run):
     _, results, _ = bench_run
     overhead = results["overhead"]["rows"]
-    assert overhead[0]["path"] == "direct to vLLM"
-    assert (overhead[0]["throughput_vs_direct"], overhead[0]["added_p50_ms"]) == (1.0, 0.0)
+    loads = list(dict.fromkeys(r["load"] for r in overhead))
+    assert len(loads) == 2 and set(results["overhead"]["goal"]) == set(loads)
+    for load in loads:
+        rows = {r["path"]: r for r in overhead if r["load"] == load}
+        direct, floor = rows["direct to vLLM"], rows["aiohttp pass-through (floor)"]
+        assert (direct["throughput_vs_direct"], direct["added_p50_ms"]) == (1.0, 0.0)
+        assert (floor["throughput_vs_floor"], floor["p50_vs_floor_ms"]) == (1.0, 0.0)
+        assert "rl_cluster proxy" in rows
+        for r in rows.values():
+            assert r["reps"] == QUICK.reps * 4, r
     for r in overhead:
         assert 0 < r["p50_ms"] <= r["p99_ms"], r
         assert 0.05 < r["throughput_vs_direct"] < 20, r
@@ -130,6 +140,23 @@ def test_overhead_and_scaling_are_measured_against_their_own_baseline(bench_run)
         low, high = r["throughput_range"]
         assert 0 < low <= r["throughput"] <= high, r
     assert 0.05 < scaling[1]["speedup_vs_1"] < 2.5  # two generators cannot beat twice one
+
+
+def test_capacity_is_measured_against_the_same_stubs(bench_run):
+    text, results, _ = bench_run
+    capacity = results["capacity"]
+    rows = {r["router"]: r for r in capacity["rows"]}
+    ours = capacity["rows"][0]
+    assert ours["router"].startswith("rl_cluster proxy") and ours["vs_ours"] == 1.0
+    assert any(label.startswith("aiohttp pass-through") for label in rows)
+    for r in rows.values():
+        assert r["reps"] == QUICK.reps and r["requests_per_s"] > 0 and r["p50_ms"] > 0, r
+        assert 0 < r["router_cpu_share"] <= 1.2, r  # pinned to one core (some slack for sampling)
+    assert capacity["load"]["upstreams"] == QUICK.capacity_upstreams
+    # The published run: 500 steps x 128 requests in 53 minutes over 4 replicas.
+    assert capacity["seed"]["per_replica_rps"] == pytest.approx(500 * 128 / (53 * 60) / 4)
+    fronted = ours["requests_per_s"] / capacity["seed"]["per_replica_rps"]
+    assert f"One proxy process fronts about {fronted:,.0f} H200 replicas" in text
 
 
 def test_handoff_parts_add_up(bench_run):
@@ -167,6 +194,7 @@ def test_async_vs_sync_is_consistent(bench_run):
         assert share(r["reward_at_equal_time"]) and share(r["reward_last_fifth"]), r
         assert r["steps_per_hour"] == pytest.approx(3600 / r["mean_step_s"], rel=1e-6), r
         assert 0 <= r["rollout_wait_s"] <= r["mean_step_s"] and r["compute_s"] > 0, r
+    assert sync["dropped_share"] == 0  # lockstep: every sample is trained on the policy that made it
     s = a["speedup"]
     assert (s["g_s"], s["t_s"]) == (sync["rollout_wait_s"], sync["compute_s"])
     assert 1.0 <= s["ideal"] <= 2.0  # (g + t) / max(g, t)

@@ -27,6 +27,19 @@ pytestmark = pytest.mark.vllm
 REPLICA_IDS = ("r0", "r1")
 
 
+async def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """The proxy's /metrics read with prometheus_client's parser: (sample, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as r:
+        text = await r.text()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
 def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
@@ -262,13 +275,15 @@ async def test_group_lands_on_one_replica(start_proxy, tiny_model_dir):
     )
     assert spilling.stats()["routing"]["spill"] > 0
 
-    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as r:
-        metrics = await r.text()
+    # Each replica's capacity (vLLM's max_num_seqs) is learnt from its /server_info in the background.
+    await wait_until(lambda: all(r["capacity"] for r in proxy.stats()["replicas"].values()))
+    metrics = await scrape(url)
     # /metrics shows the same numbers as stats().
     for reason, count in proxy.stats()["routing"].items():
-        assert f'rl_proxy_route_total{{reason="{reason}"}} {count}\n' in metrics
+        assert metrics[("rl_proxy_route_total", (("reason", reason),))] == count
     for replica_id, replica in proxy.stats()["replicas"].items():
-        assert f'rl_proxy_requests_total{{replica="{replica_id}"}} {replica["requests"]}\n' in metrics
+        assert metrics[("rl_proxy_requests_total", (("replica", replica_id),))] == replica["requests"]
+        assert metrics[("rl_proxy_capacity", (("replica", replica_id),))] == replica["capacity"] >= 1
 
 
 class RedirectPath:
@@ -384,9 +399,7 @@ async def test_joining_replica_catches_up(start_proxy, vllm_servers, adapter_dir
     await wait_until(lambda: not replica_stats(proxy)[0]["adapters_loaded"])
     # r1 left the proxy with the adapter still loaded: clean it up directly.
     await HttpAdapterLoader(vllm_servers[1].url).unload_adapter(name)
-    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as r:
-        metrics = await r.text()
-    assert 'rl_proxy_broadcast_seconds_count{op="load"} 1' in metrics
+    assert (await scrape(url))[("rl_proxy_broadcast_seconds_count", (("op", "load"),))] == 1
 
 
 async def test_request_errors(start_proxy, vllm_servers, tiny_model_dir):
@@ -455,3 +468,25 @@ async def wait_until(predicate, timeout: float = 30.0) -> None:
         if asyncio.get_running_loop().time() > deadline:
             raise TimeoutError("condition not reached")
         await asyncio.sleep(0.05)
+
+
+async def test_with_no_replica_requests_wait_for_one_then_give_up_with_a_reason(
+    start_proxy, vllm_servers, tiny_model_dir
+):
+    """Every replica down (restarting): a generation request waits, and is answered once a replica is
+    back; with none back within proxy.unavailable_timeout_s, generation and loads get a 503 that says why."""
+    proxy, url = await start_proxy(replicas=(), unavailable_timeout_s=2.0)
+    request = {"model": str(tiny_model_dir), "prompt": "1+1=", "max_tokens": 2}
+    status, body = await post_json(f"{url}/v1/completions", request)
+    assert status == 503 and "no generator replica has been active for 2 s" in body["error"]["message"], body
+    status, body = await post_json(
+        f"{url}/v1/load_lora_adapter", {"lora_name": unique("x"), "lora_path": "/nope"}
+    )
+    assert status == 503 and "proxy.unavailable_timeout_s" in body["error"]["message"], body
+
+    waiting = asyncio.ensure_future(post_json(f"{url}/v1/completions", request))
+    await asyncio.sleep(0.5)
+    assert not waiting.done()  # held, not refused
+    await proxy.add_replica("r0", vllm_servers[0].url)
+    status, body = await asyncio.wait_for(waiting, 60)
+    assert status == 200 and body["choices"], body

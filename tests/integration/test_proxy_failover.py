@@ -131,7 +131,7 @@ async def test_unhealthy_replica_leaves_routing_and_catches_up(vllm_servers, ada
             assert front.generations > served_before  # it serves again
             async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as r:
                 metrics = await r.text()
-            assert 'rl_proxy_replica_active{replica="f1"} 1' in metrics
+            assert 'rl_proxy_replica_active{replica="f1"} 1.0' in metrics
             assert "rl_proxy_retries_total" in metrics
     finally:
         await front.stop()

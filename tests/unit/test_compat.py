@@ -4,9 +4,13 @@ it and behave with it. No vLLM server is started; the trainer is built but never
 
 import importlib.util
 import multiprocessing as mp
+import os
+import signal
 import tempfile
+import time
 
 import pytest
+import spawn_targets
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
@@ -16,6 +20,7 @@ from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer, sel
 from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
 from trl.trainer.utils import get_peak_flops_per_device as trl_peak_flops
 
+from rl_cluster.core.admission import AdmissionWindow
 from rl_cluster.core.rewards import arithmetic_reward
 from rl_cluster.tiny import make_prompts
 from rl_cluster.trainer import compat
@@ -233,9 +238,14 @@ def test_trl_default_pipeline_outruns_the_staleness_window():
     steps_ahead = (args.queue_maxsize + args.max_staleness * args.per_device_train_batch_size) / 8
     assert (args.queue_maxsize, args.max_inflight_tasks) == (1024, -1)  # -1: max_staleness steps' worth
     assert steps_ahead > args.max_staleness
-    limits = compat.pipeline_limits(completions_per_step=32, queue_steps=1, max_staleness=2)
-    assert limits == {"queue_maxsize": 32, "max_inflight_tasks": 32}
-    assert (limits["queue_maxsize"] + limits["max_inflight_tasks"]) / 32 <= 2
+    # With admission bounding what is started, the limits are sized to never bind before it: all the
+    # samples admission lets out (3 steps' worth for max_staleness 2, a sync every step) plus one group
+    # waiting at admission in its slots.
+    window = AdmissionWindow(samples_per_step=32, sync_every=1, window=2)
+    assert compat.pipeline_limits(window, num_generations=8) == {
+        "queue_maxsize": 96,
+        "max_inflight_tasks": 104,
+    }
 
 
 def test_trl_prints_every_log_dict_and_closes_with_a_totals_log(tiny_model_dir):
@@ -254,3 +264,116 @@ def test_trl_prints_every_log_dict_and_closes_with_a_totals_log(tiny_model_dir):
     assert compat.is_step_log({"loss": 0.1, "reward": 0.5})
     assert not compat.is_step_log({"train_runtime": 12.0, "train_loss": 0.1})  # what train() logs last
     assert not compat.is_step_log({})
+
+
+class _CountingBatches(torch.utils.data.IterableDataset):
+    """An endless iterable of one-row batches that records how many were pulled (a rollout queue's view)."""
+
+    def __init__(self):
+        self.pulled = 0
+
+    def __iter__(self):
+        while True:
+            self.pulled += 1
+            yield {"x": torch.tensor([self.pulled])}
+
+
+def _only(items):
+    return items[0]  # TRL's planner yields whole micro-batches; the DataLoader takes them one at a time
+
+
+def test_accelerate_pulls_the_next_batch_before_yielding_one():
+    """Item 11: with TRL's accelerator settings (dispatch_batches), the prepared DataLoader has pulled
+    batch k+1 when it hands out batch k; without_lookahead has pulled exactly the batches it yielded."""
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+    from torch.utils.data import DataLoader
+
+    settings = DataLoaderConfiguration(dispatch_batches=True, split_batches=True)  # TRL's (AsyncGRPOConfig)
+    accelerator = Accelerator(cpu=True, dataloader_config=settings)
+    source = _CountingBatches()
+    prepared = accelerator.prepare(DataLoader(source, batch_size=1, collate_fn=_only))
+    batches = iter(prepared)
+    assert next(batches)["x"].tolist() == [1]
+    assert source.pulled == 2  # the lockstep trainer would wait here for a step not yet generated
+
+    source = _CountingBatches()
+    prepared = accelerator.prepare(DataLoader(source, batch_size=1, collate_fn=_only))
+    lazy = iter(compat.without_lookahead(prepared, accelerator))
+    assert [next(lazy)["x"].tolist() for _ in range(3)] == [[1], [2], [3]]
+    assert source.pulled == 3
+
+
+def _read_position(position, out):
+    out.put((position[compat.TrainerPosition.LIMIT], position[compat.TrainerPosition.PULLED]))
+    position.add(compat.TrainerPosition.SCORED, 5)
+
+
+def test_trls_pickle_check_refuses_shared_arrays_and_position_travels_to_a_spawned_child():
+    """Item 12: TRL's worker pickles the loop kwargs before it spawns the child, to catch lambdas; a
+    multiprocessing array cannot be pickled outside spawning, so TRL refuses to start. TrainerPosition
+    passes the check and still reaches the spawned child as shared memory, both ways."""
+    import pickle
+
+    from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
+
+    ctx = mp.get_context("spawn")
+    worker = AsyncRolloutWorker(position=ctx.Array("q", 4, lock=False))
+    with pytest.raises(TypeError, match="must be picklable"):
+        worker.start()
+    assert worker._process is None  # refused before spawning anything
+
+    position = compat.TrainerPosition(ctx, limit=96)
+    pickle.dumps({"position": position})  # TRL's check
+    position.add(compat.TrainerPosition.PULLED, 7)
+    out = ctx.Queue()
+    child = ctx.Process(target=_read_position, args=(position, out))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert out.get(timeout=5) == (96, 7)
+    assert position[compat.TrainerPosition.SCORED] == 5
+
+
+@pytest.mark.parametrize("cancel", [False, True])
+def test_a_child_with_an_unread_full_buffer_does_not_exit(cancel):
+    """Item 13: what TRL's rollout child does when training ends (its buffer is a spawn-context Queue)."""
+    ctx = mp.get_context("spawn")
+    buffer = ctx.Queue()
+    child = ctx.Process(target=spawn_targets.fill_and_exit, args=(buffer, cancel))
+    child.start()
+    child.join(10)
+    try:
+        assert child.is_alive() is not cancel
+    finally:
+        child.kill()
+        child.join()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[1][0] != "Z"  # a zombie has exited
+
+
+@pytest.mark.parametrize("watch", [False, True])
+def test_a_daemon_child_outlives_a_killed_parent_unless_it_watches(watch):
+    """Item 14: TRL's rollout child is a daemon process of the trainer; SIGKILL the trainer and it stays."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    parent = ctx.Process(target=spawn_targets.parent_of_orphan, args=(watch, out))
+    parent.start()
+    child_pid = out.get(timeout=120)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.join()
+    try:
+        deadline = time.monotonic() + (10 if watch else 3)  # watching, it exits well within a second
+        while _alive(child_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _alive(child_pid) is not watch
+    finally:
+        if _alive(child_pid):
+            os.kill(child_pid, signal.SIGKILL)

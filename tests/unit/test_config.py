@@ -123,3 +123,74 @@ def test_readme_config_reference_is_in_step():
 def test_sections_forbid_unknown_keys():
     with pytest.raises(ValidationError, match=r"generator\.replica\n\s+Extra inputs are not permitted"):
         RunConfig.model_validate({"run_name": "x", "generator": {"replica": 2}})
+
+
+# -- the MATH recipes and the dataset task (issue 12) --------------------------------------------------------
+QWEN = REPO / "jobs/configs/qwen25_math_1p5b.toml"
+DEEPSEEK = REPO / "jobs/configs/deepseek_r1_distill_qwen_1p5b.toml"
+
+
+def test_the_published_qwen_recipe_is_the_published_run():
+    c = load_config(QWEN)
+    assert (c.model.path, c.lora.rank, c.lora.target_modules) == ("Qwen/Qwen2.5-Math-1.5B", 1, "all-linear")
+    t = c.trainer
+    assert (t.learning_rate, t.num_generations, t.completions_per_step) == (4e-5, 8, 128)
+    assert t.max_new_tokens == 3000
+    assert (t.max_staleness, t.sync_every, t.gradient_checkpointing) == (4, 4, False) and t.token_budget > 0
+    assert (c.task.prompts, c.task.answer_from_solution, c.task.eval_split) == ("dataset", True, "test")
+    assert c.task.rewards == ["rl_cluster.core.rewards:math_reward"]
+
+
+def test_the_deepseek_recipe_uses_the_think_grader_and_a_longer_context():
+    c, qwen = load_config(DEEPSEEK), load_config(QWEN)
+    assert c.model.path == "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"
+    assert c.task.rewards == ["rl_cluster.core.rewards:math_think_reward"]
+    assert (
+        c.model.max_model_len > qwen.model.max_model_len
+        and c.trainer.max_new_tokens > qwen.trainer.max_new_tokens
+    )
+    assert c.task.system_prompt is None and "{prompt}" in c.task.prompt_template
+
+
+@pytest.mark.parametrize("path", [QWEN, DEEPSEEK], ids=lambda p: p.name)
+def test_recipe_reward_functions_import(path):
+    from rl_cluster.trainer.actor import import_function
+
+    for reward in load_config(path).task.rewards:
+        assert callable(import_function(reward))
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["trainer.max_new_tokens=256", "model.max_model_len=256"],
+         r"trainer\.max_new_tokens=256 leaves no room for a prompt in model\.max_model_len=256"),
+        (["trainer.max_new_tokens=300"], r"trainer\.max_new_tokens=300 leaves no room"),
+        (["model.max_model_len=4096", "trainer.token_budget=2048"],
+         r"trainer\.token_budget=2048 is below model\.max_model_len=4096"),
+        (["task.prompts=dataset"], r'task\.prompts = "dataset" needs task\.dataset'),
+        (["task.prompts=dataset", "task.dataset=parquet", 'task.data_files={test=["t.parquet"]}'],
+         r"task\.split='train' is not a key of task\.data_files \['test'\]"),
+        (["task.prompts=dataset", "task.dataset=d", "task.eval_split=train"],
+         r"task\.eval_split='train' is the training split"),
+        (["task.prompts=dataset", "task.dataset=parquet", 'task.data_files={train=["a"]}', "task.eval_split=test"],
+         r"task\.eval_split='test' is not a key of task\.data_files"),
+        (["task.prompts=dataset", "task.dataset=d", 'task.columns={problem="question"}'],
+         r'task\.columns maps no column to "prompt"'),
+        (["task.prompts=dataset", "task.dataset=d", 'task.columns={problem="prompt", q="prompt"}'],
+         r"task\.columns maps two columns to the same name"),
+        (["task.prompts=dataset", "task.dataset=d", 'task.columns={problem="prompt"}', "task.answer_from_solution=true"],
+         r'task\.answer_from_solution needs a column mapped to "answer"'),
+        (["task.prompts=dataset", "task.dataset=d", 'task.prompt_template="Solve it."'],
+         r"task\.prompt_template must contain \{prompt\}"),
+    ],
+)  # fmt: skip
+def test_impossible_task_and_length_combinations_are_rejected(overrides, message):
+    with pytest.raises(ValidationError, match=message):
+        load_config(None, ["run_name=t", *overrides])
+
+
+def test_a_context_that_fits_and_a_budget_that_holds_it_pass():
+    c = load_config(None, ["run_name=t", "model.max_model_len=4096", "trainer.max_new_tokens=4095",
+                           "trainer.token_budget=4096"])  # fmt: skip
+    assert (c.trainer.max_new_tokens, c.trainer.token_budget) == (4095, 4096)

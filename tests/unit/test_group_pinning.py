@@ -1,6 +1,7 @@
 """A GRPO group is one policy: TRL's rollout loop asks for the adapter current when each request is sent,
 so a sync between two samples of a group splits it across two adapter names; GroupPinnedRolloutLoop
-(rl_cluster/trainer/compat.py, item 6) asks for the group's version for every sample.
+(rl_cluster/trainer/compat.py, item 6) asks for the group's version for every sample. And TRL starts
+groups as fast as slots free up; GroupPinnedRolloutLoop admits them under the trainer's limit (item 10).
 
 The loops are TRL's real `_AsyncRolloutLoop` (and our subclass) on the tiny model's tokenizer; only the
 HTTP post to the server is replaced, by a function that records the requested adapter and answers at
@@ -18,17 +19,17 @@ from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
 
 from rl_cluster.core.rewards import arithmetic_reward
 from rl_cluster.tiny import make_prompts
-from rl_cluster.trainer.compat import GroupPinnedRolloutLoop
+from rl_cluster.trainer.compat import GroupPinnedRolloutLoop, TrainerPosition
 
 G = 4
 
 
-def rollout_loop(cls, tiny_model_dir, **extra):
+def rollout_loop(cls, tiny_model_dir, reward_funcs=(arithmetic_reward,), tokens=("7",), **extra):
     ctx = mp.get_context("spawn")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     loop = cls(
         model_name=str(tiny_model_dir), dataset=Dataset.from_list(make_prompts(8, seed=0)),
-        reward_funcs=[arithmetic_reward], processing_class=tokenizer, eos_token_ids=[tokenizer.eos_token_id],
+        reward_funcs=list(reward_funcs), processing_class=tokenizer, eos_token_ids=[tokenizer.eos_token_id],
         rollout_buffer=ctx.Queue(), model_version_value=ctx.Value("i", 1), heartbeat_value=ctx.Value("d", 0.0),
         failed_event=ctx.Event(), exception_info_queue=ctx.Queue(), metrics_queue=ctx.Queue(),
         num_generations=G, lora_name="run", **extra,
@@ -37,12 +38,11 @@ def rollout_loop(cls, tiny_model_dir, **extra):
 
     async def post(path, payload, timeout, max_retries=3):
         asked.append(payload["model"])
-        token = tokenizer.encode("7", add_special_tokens=False)[0]
-        return {
-            "choices": [
-                {"token_ids": [token, tokenizer.eos_token_id], "logprobs": {"token_logprobs": [-0.1, -0.2]}}
-            ]
-        }
+        # One of `tokens` per request in turn; "..." stands for a completion cut off at the length cap.
+        text = tokens[(len(asked) - 1) % len(tokens)]
+        ids = tokenizer.encode(text.strip("."), add_special_tokens=False)[:1]
+        ids = ids * 2 if text.endswith("...") else [*ids, tokenizer.eos_token_id]
+        return {"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": [-0.1] * len(ids)}}]}
 
     loop._post = post
     return loop, asked
@@ -75,7 +75,7 @@ def test_pinned_loop_keeps_the_group_on_its_version(tiny_model_dir):
     loop, asked = rollout_loop(GroupPinnedRolloutLoop, tiny_model_dir, pinned_window=2)
     asyncio.run(one_group_across_a_sync(loop))
     assert asked == ["run-v1"] * G
-    assert loop._group_versions == {}  # forgotten once all G samples were dispatched
+    assert loop._group_versions == {0: 1}  # until the group is scored
     # The next group starts on the newest version.
     asked.clear()
     prompt = make_prompts(1, seed=2)[0]["prompt"]
@@ -92,3 +92,74 @@ def test_a_group_older_than_the_window_asks_for_the_newest(tiny_model_dir, windo
     loop._model_version_value.value = 4
     asyncio.run(loop._generate_one(prompt, tool_dict={}, tools=[], group_id=5))
     assert asked == ["run-v1", expected]
+
+
+async def run_loops(loop, phases) -> list:
+    """TRL's own generate and score loops, with nobody pulling from the rollout buffer; `phases` are
+    (seconds, action) pairs, each action run after its wait. Returns the requests sent per phase."""
+    from accelerate.state import PartialState
+
+    PartialState()  # as TRL's child does before its loops log
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(loop._generate_loop(stop)), asyncio.create_task(loop._score_loop(stop))]
+    sent = []
+    for seconds, action in phases:
+        await asyncio.sleep(seconds)
+        sent.append(len(loop.asked))
+        action()
+    stop.set()
+    await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)  # waiting samples do not hold up the stop
+    # Nobody reads most of what was scored: let the queue go, or this process cannot exit (compat item 13).
+    loop.rollout_buffer.cancel_join_thread()
+    return sent
+
+
+def test_trl_starts_groups_however_far_ahead_of_the_trainer(tiny_model_dir):
+    loop, asked = rollout_loop(_AsyncRolloutLoop, tiny_model_dir, max_inflight_tasks=2 * G)
+    loop.asked = asked
+    sent = asyncio.run(run_loops(loop, [(1.0, lambda: None)]))
+    assert sent[0] > 10 * G  # nobody consumes, and it keeps generating
+
+
+def test_admission_starts_groups_only_under_the_trainers_limit(tiny_model_dir):
+    ctx = mp.get_context("spawn")
+    position = TrainerPosition(ctx, limit=3 * G)
+    loop, asked = rollout_loop(
+        GroupPinnedRolloutLoop, tiny_model_dir, pinned_window=2, position=position, max_inflight_tasks=2 * G
+    )
+    loop.asked = asked
+
+    def sync():  # what BucketSyncTrainer does after a sync: the version first, then the limit
+        loop._model_version_value.value = 2
+        position[TrainerPosition.LIMIT] = 5 * G
+
+    sent = asyncio.run(run_loops(loop, [(1.0, sync), (1.0, lambda: None)]))
+    assert sent == [3 * G, 5 * G]
+    assert asked == ["run-v1"] * (3 * G) + ["run-v2"] * (2 * G)
+    assert position[TrainerPosition.SCORED] == 5
+    # Scored groups carry the version they were generated under.
+    versions = [loop.rollout_buffer.get(timeout=5).model_version for _ in range(5 * G)]
+    assert versions == [1] * (3 * G) + [2] * (2 * G)
+
+
+TRUNCATION_SEEN: list[list[bool]] = []
+
+
+def record_truncation(completions, completion_ids, truncated=None, **kwargs):
+    TRUNCATION_SEEN.append(list(zip(truncated, [ids[-1] for ids in completion_ids], strict=True)))
+    return [0.0] * len(completions)
+
+
+def test_reward_functions_learn_which_completions_were_cut_off(tiny_model_dir):
+    """compat item 15: TRL passes no finish reason; the loop passes `truncated` by TRL's own rule."""
+    TRUNCATION_SEEN.clear()
+    loop, asked = rollout_loop(
+        GroupPinnedRolloutLoop, tiny_model_dir, reward_funcs=[record_truncation], tokens=("7", "7..."),
+        pinned_window=2, max_inflight_tasks=G,
+    )  # fmt: skip
+    loop.asked = asked
+    asyncio.run(run_loops(loop, [(1.0, lambda: None)]))
+    eos = loop.tokenizer.eos_token_id
+    pairs = [pair for group in TRUNCATION_SEEN for pair in group]
+    assert {truncated for truncated, _ in pairs} == {False, True}  # both kinds were generated
+    assert all(truncated == (last != eos) for truncated, last in pairs), pairs

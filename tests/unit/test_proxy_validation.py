@@ -31,11 +31,19 @@ def generation_ok(route: str, body: dict) -> bool:
 @pytest.mark.parametrize(
     "raw",
     [b"", b"{", b"[1]", b'"x"', b"null", b'{"a": NaN}', b'{"a": Infinity}', b"\xff\xfe", b'{"a": "\\ud800"}',
-     b"[" * 100_000, b'{"a":' * 50 + b"1" + b"}" * 50],
+     b"[" * 100_000, b'{"a":' * 50 + b"1" + b"}" * 50,
+     b'{"a": "\xed\xa0\x80"}', b'{"a": 1e400}', b'{"a": 1} x', b'{"a": [1, 2.0, NaN]}'],
 )  # fmt: skip
 def test_bad_json_is_refused(raw):
     with pytest.raises(Invalid):
         parse_json_object(raw)
+
+
+def test_deep_bodies_are_walked_and_shallow_ones_are_not_refused():
+    # More brackets than the depth limit, little nesting: the walk runs and lets it through.
+    wide = {"prompt": [[1]] * 100, "x": [{"a": [1]}] * 50}
+    assert parse_json_object(json.dumps(wide).encode()) == wide
+    assert parse_json_object('{"a": "😀 \\ud83d\\ude00"}'.encode()) == {"a": "😀 😀"}
 
 
 def test_depth_limit_is_exact():

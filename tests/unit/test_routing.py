@@ -182,3 +182,78 @@ def test_baseline_policies_ignore_prefixes():
     assert (
         choose_replica(hashes, table, {"r0": 3, "r1": 1}, 8, served, policy="least_loaded").replica_id == "r1"
     )
+
+
+def simulate(capacity, requests: int, concurrency: int, policy="prefix", prompts=None):
+    """Closed loop: `concurrency` requests in flight, the oldest finishes before each new one is routed
+    (all take equally long), distinct prompts unless `prompts` says otherwise. Returns the requests per
+    replica and the replica of each request."""
+    table = PrefixTable(100_000)
+    in_flight = dict.fromkeys(capacity, 0)
+    served = dict.fromkeys(capacity, 0)
+    running: list[str] = []
+    chosen: list[str] = []
+    for i in range(requests):
+        if len(running) == concurrency:
+            in_flight[running.pop(0)] -= 1
+        prompt = prompts(i) if prompts else f"{i} is a prompt of its own"
+        hashes = block_hashes("v1", prompt, 16)
+        decision = choose_replica(hashes, table, in_flight, 8, served, policy, capacity=capacity)
+        table.record(hashes, decision.replica_id)
+        in_flight[decision.replica_id] += 1
+        served[decision.replica_id] += 1
+        running.append(decision.replica_id)
+        chosen.append(decision.replica_id)
+    return served, chosen
+
+
+@pytest.mark.parametrize("policy", ["prefix", "least_loaded", "round_robin"])
+@pytest.mark.parametrize("concurrency", [1, 12, 48])
+def test_replica_twice_as_large_takes_twice_the_traffic(policy, concurrency):
+    served, _ = simulate({"big": 256, "small": 128}, requests=3000, concurrency=concurrency, policy=policy)
+    assert served["big"] / served["small"] == pytest.approx(2.0, rel=0.02), served
+
+
+def test_grpo_groups_share_by_capacity_and_stay_together():
+    # Groups of 8 identical prompts, 12 groups in flight: whole groups go where the load is lowest
+    # relative to capacity, so the larger replica gets about twice the groups (whole groups: the share
+    # moves in steps of one group, hence the looser bound).
+    served, chosen = simulate(
+        {"big": 64, "small": 32}, requests=8 * 900, concurrency=96, prompts=lambda i: f"group {i // 8}"
+    )
+    assert served["big"] / served["small"] == pytest.approx(2.0, rel=0.1), served
+    assert all(len(set(chosen[g : g + 8])) == 1 for g in range(0, len(chosen), 8))
+
+
+def test_imbalance_guard_compares_load_relative_to_capacity():
+    table = PrefixTable(100)
+    hashes = block_hashes("v1", "a long shared prompt " * 4, 16)
+    table.record(hashes, "big")
+    # 16 in flight on a replica twice as large is a load of 8 against 4 on the small one: within 8.
+    decision = choose_replica(hashes, table, {"big": 16, "small": 4}, 8, capacity={"big": 2, "small": 1})
+    assert decision.reason == "affinity"
+    # Equal sizes: 16 against 4 is over the threshold.
+    assert choose_replica(hashes, table, {"big": 16, "small": 4}, 8).reason == "spill"
+    # Unknown capacity counts as the smallest known one.
+    assert choose_replica(hashes, table, {"big": 16, "small": 4}, 8, capacity={"small": 1}).reason == "spill"
+
+
+def test_equal_capacities_route_exactly_as_without():
+    import random
+
+    rng = random.Random(3)
+    table_a, table_b = PrefixTable(1000), PrefixTable(1000)
+    in_flight = {"r0": 0, "r1": 0, "r2": 0}
+    served = dict.fromkeys(in_flight, 0)
+    for _ in range(2000):
+        for r in in_flight:  # random finishes
+            if in_flight[r] and rng.random() < 0.3:
+                in_flight[r] -= 1
+        hashes = block_hashes("v1", f"group {rng.randrange(40)}", 16)
+        plain = choose_replica(hashes, table_a, in_flight, 8, served)
+        sized = choose_replica(hashes, table_b, in_flight, 8, served, capacity=dict.fromkeys(in_flight, 256))
+        assert plain == sized
+        table_a.record(hashes, plain.replica_id)
+        table_b.record(hashes, sized.replica_id)
+        in_flight[plain.replica_id] += 1
+        served[plain.replica_id] += 1

@@ -116,3 +116,15 @@ async def test_a_server_that_dies_while_starting_fails_fast_with_its_log(tmp_pat
             await server.wait_healthy(timeout_s=60)
     finally:
         server.stop()
+
+
+def test_cpu_servers_prefill_each_prompt_in_one_step():
+    """vllm_compat item 3: on the CPU build chunked prefill is off, with a step budget fitting a prompt."""
+    cpu = ServerSpec(model="/m", port=9, max_model_len=256).command()
+    assert cpu[cpu.index("--no-enable-chunked-prefill") :][:3] == [
+        "--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048"
+    ]  # fmt: skip
+    long = ServerSpec(model="/m", port=9, max_model_len=8192).command()
+    assert long[long.index("--max-num-batched-tokens") + 1] == "8192"
+    gpu = ServerSpec(model="/m", port=9, use_gpu=True).command()
+    assert "--no-enable-chunked-prefill" not in gpu and "--max-num-batched-tokens" not in gpu

@@ -90,3 +90,15 @@ def test_reward_paths_must_name_a_function():
         import_function("rl_cluster.core.rewards.arithmetic_reward")
     with pytest.raises(AttributeError, match="no_such_reward"):
         import_function("rl_cluster.core.rewards:no_such_reward")
+
+
+def test_dataset_task_reads_only_prepared_data_and_says_how_to_make_it(tmp_path):
+    # `task.prompts = "dataset"` never loads from the hub in the run: without `prepare` it stops, naming
+    # the command (tests/unit/test_data.py covers prepare and the rows it writes).
+    config = load_config(
+        None,
+        ["run_name=t", "task.prompts=dataset", "task.dataset=some/hub-dataset",
+         f"bucket.uri={json.dumps(str(tmp_path / 'bucket'))}"],
+    )  # fmt: skip
+    with pytest.raises(FileNotFoundError, match=r"run `python -m rl_cluster.data prepare --config"):
+        load_prompts(config)

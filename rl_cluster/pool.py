@@ -1,0 +1,322 @@
+"""The pool controller: the run's named actor that grows and shrinks its generator pool.
+
+Every `generator.scale_interval_s` it reads the proxy's per-replica counts (state, in flight, requests
+routed), asks the policy (rl_cluster.core.scaling) what to do, and does it with the run's Cluster:
+
+- **grow**: `Cluster.add_generators`. A generator actor needs the `generator` resource; when no node
+  has one free, the actor waits and Ray's autoscaler adds a `generator` node for it. The new replica
+  registers with the proxy, which loads every live adapter version on it before it routes to it
+  (rl_cluster.proxy.replicas: catch-up under the adapter lock, `VersionBook.activate` refuses a replica
+  that lacks a routable version), so a replica never serves a version it did not load.
+- **shrink**: drain in the proxy (no new requests; in-flight ones finish, bounded by
+  `generator.drain_timeout_s`), then `Cluster.remove_generator` (it leaves the proxy, its vLLM stops, the
+  actor is killed); the autoscaler removes the node once it idles.
+
+It lives on the driver's node: an actor on a generator node would keep that node busy, and the
+autoscaler could never take it away. Operators reach it by name (`jobs/scale.py --run RUN --replicas N`,
+`connect_to_pool`); the driver asks it at the end for the generators it has and for the scale events
+(summary.json's `scale_events`). Every scale event is also printed, so it reaches the job's log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from rl_cluster.config import GeneratorConfig
+from rl_cluster.core.scaling import (
+    Decision,
+    PoolSnapshot,
+    ReplicaLoad,
+    ScaleEvent,
+    ScalingPolicy,
+    ScalingRules,
+)
+
+logger = logging.getLogger(__name__)
+
+# Named actors live in a namespace; a driver gets an anonymous one unless it names one, so the pool is
+# registered under a fixed one that `jobs/scale.py` (another driver) can look in.
+NAMESPACE = "rl_cluster"
+FIRST_REQUEST_POLL_S = 0.25
+# Proxy states of a replica on its way in (registered, loading the live versions) and of one that is out
+# for now but comes back by itself (its server is being restarted).
+ARRIVING = ("joining", "catching_up")
+OUT_FOR_NOW = ("unhealthy",)
+
+
+def pool_actor_name(run_name: str) -> str:
+    return f"{run_name}-pool"
+
+
+def rules_for(g: GeneratorConfig) -> ScalingRules:
+    low, high = g.replica_bounds
+    return ScalingRules(
+        min_replicas=low,
+        max_replicas=high,
+        up_in_flight=g.scale_up_in_flight,
+        up_window_s=g.scale_up_window_s,
+        down_window_s=g.scale_down_window_s,
+        cooldown_s=g.scale_cooldown_s,
+    )
+
+
+class PoolController:
+    def __init__(self, cluster):
+        """`cluster`: the run's rl_cluster.cluster.Cluster after launch (proxy and first generators up).
+        From here on this copy of it is the one whose generator set changes."""
+        self.cluster = cluster
+        self.g = cluster.config.generator
+        self.policy = ScalingPolicy(rules_for(self.g))
+        self.events: list[ScaleEvent] = []
+        self._leaving: set[str] = set()
+        self._growing = asyncio.Lock()  # one add at a time: the actors it creates are then known
+        self._tasks: set[asyncio.Task] = set()
+        self._loop: asyncio.Task | None = None
+
+    # -- the actor's interface ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop().create_task(self._run())
+
+    async def set_target(self, replicas: int | None) -> dict:
+        """Pin the pool at `replicas` (None: hand it back to the policy); acts at once. Raises ValueError
+        outside [generator.min_replicas, generator.max_replicas]."""
+        self.policy.set_target(replicas)
+        print(f"pool: {'target set to ' + str(replicas) if replicas else 'automatic again'}", flush=True)
+        await self.step()
+        return await self.status()
+
+    async def status(self) -> dict:
+        """Mode, bounds, replicas by condition, and every scale event so far."""
+        stats = await self.cluster.proxy.stats.remote()
+        snap, by_state = self._snapshot(stats, time.monotonic())
+        low, high = self.policy.rules.min_replicas, self.policy.rules.max_replicas
+        return {
+            "mode": "automatic" if self.policy.manual_target is None else "manual",
+            "target": self.policy.manual_target,
+            "min_replicas": low,
+            "max_replicas": high,
+            "size": snap.size,
+            **by_state,
+            "events": await self.scale_events(),
+        }
+
+    async def pool_size(self) -> int:
+        """Replicas serving now: what generation throughput (and TRL's pipeline limits) can count on."""
+        stats = await self.cluster.proxy.stats.remote()
+        return len(self._snapshot(stats, time.monotonic())[0].serving)
+
+    async def scale_events(self) -> list[dict]:
+        return [event.as_dict() for event in self.events]
+
+    async def members(self) -> tuple[dict, dict]:
+        """(replica id -> generator actor, placement): what the driver reports and shuts down."""
+        return dict(self.cluster.generators), dict(self.cluster.placement)
+
+    async def stop(self) -> tuple[dict, dict]:
+        """Stop deciding; give up generators still waiting to start (pending actors would keep the
+        autoscaler adding nodes); return members() for the driver's shutdown."""
+        if self._loop is not None:
+            self._loop.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        return await self.members()
+
+    # -- sampling and deciding ----------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.step()
+            except Exception:
+                logger.exception("pool controller step failed")
+            await asyncio.sleep(self.g.scale_interval_s)
+
+    async def step(self) -> Decision | None:
+        stats = await self.cluster.proxy.stats.remote()
+        snap, _ = self._snapshot(stats, time.monotonic())
+        decision = self.policy.observe(snap)
+        if decision is not None:
+            self._apply(decision, snap.size)
+        return decision
+
+    def _snapshot(self, stats: dict, now: float) -> tuple[PoolSnapshot, dict]:
+        """The policy's view of the generators this controller runs, in the order they joined (replicas
+        the proxy has from elsewhere are not ours to count or stop)."""
+        proxy_view = stats.get("replicas", {})
+        serving: dict[str, ReplicaLoad] = {}
+        starting, out, leaving = [], [], []
+        for rid in self.cluster.generators:
+            state = proxy_view.get(rid, {}).get("state")
+            if rid in self._leaving:
+                leaving.append(rid)
+            elif state == "active":
+                serving[rid] = ReplicaLoad(proxy_view[rid]["in_flight"], proxy_view[rid]["requests"])
+            elif state in OUT_FOR_NOW:
+                out.append(rid)
+            elif state is None or state in ARRIVING:
+                starting.append(rid)  # waiting for a node, starting vLLM, or catching up
+        snap = PoolSnapshot(now, serving, starting=len(starting), unavailable=len(out),
+                            queued=stats.get("queued", 0))  # fmt: skip
+        by_state = {"serving": list(serving), "starting": starting, "unavailable": out, "leaving": leaving}
+        return snap, by_state
+
+    def _apply(self, decision: Decision, size: int) -> None:
+        event = ScaleEvent(time.time(), size, size + decision.add - len(decision.remove), decision.reason)
+        self.events.append(event)
+        print(f"pool: {event.from_replicas} -> {event.to_replicas} replicas ({event.reason})", flush=True)
+        if decision.add:
+            self._spawn(self._grow(decision.add, event, time.monotonic()))
+        for rid in decision.remove:
+            self._leaving.add(rid)
+            event.replicas.append(rid)
+            self._spawn(self._shrink(rid, event, time.monotonic()))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- doing it -----------------------------------------------------------------------------------
+
+    async def _grow(self, count: int, event: ScaleEvent, decided: float) -> None:
+        async with self._growing:
+            before = set(self.cluster.generators)
+            adding = asyncio.ensure_future(self.cluster.add_generators(count))
+            await asyncio.sleep(0)  # add_generators creates its actors before its first await
+            new = [rid for rid in self.cluster.generators if rid not in before]
+            event.replicas.extend(new)
+            try:
+                await asyncio.wait_for(adding, self.g.scale_up_timeout_s)
+            except BaseException as e:  # timed out (no node came), failed to start, or the run ends
+                event.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                print(f"pool: adding {new} failed: {event.error}; given up", flush=True)
+                await asyncio.gather(*(self._discard(rid) for rid in new), return_exceptions=True)
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                return
+        event.ready_s = round(time.monotonic() - decided, 3)
+        print(f"pool: {new} caught up and active {event.ready_s:.1f} s after the decision", flush=True)
+        await self._first_request(new, event, decided)
+
+    async def _first_request(self, new: list[str], event: ScaleEvent, decided: float) -> None:
+        """Watch (finely: it is what the scale-out is measured by) until a new replica got a request."""
+        while True:
+            replicas = (await self.cluster.proxy.stats.remote())["replicas"]
+            if any(replicas.get(rid, {}).get("requests") for rid in new):
+                event.first_request_s = round(time.monotonic() - decided, 3)
+                print(f"pool: {new} served a first request {event.first_request_s:.1f} s after the decision",
+                      flush=True)  # fmt: skip
+                return
+            if not any(rid in replicas for rid in new):
+                return  # removed before anything was routed to it
+            await asyncio.sleep(FIRST_REQUEST_POLL_S)
+
+    async def _discard(self, rid: str) -> None:
+        """A generator that never came up: kill it (a pending one just stops waiting for a node) and make
+        sure the proxy forgets it (it may have registered and be catching up)."""
+        actor = self.cluster.generators.pop(rid, None)
+        if actor is not None:
+            ray.kill(actor)
+        with contextlib.suppress(Exception):
+            await self.cluster.proxy.remove_replica.remote(rid, 0.0)
+
+    async def _shrink(self, rid: str, event: ScaleEvent, decided: float) -> None:
+        try:
+            drained = await self.cluster.proxy.drain_replica.remote(rid, self.g.drain_timeout_s)
+            # It left routing and nothing is in flight (or the drain timed out): leave the proxy, stop.
+            await self.cluster.remove_generator(rid)
+            event.drain[rid] = {
+                "in_flight_at_start": drained["in_flight_at_start"],
+                "in_flight_left": drained["in_flight_left"],
+                "drain_s": round(drained["drain_s"], 3),
+                "stopped_s": round(time.monotonic() - decided, 3),
+            }
+            print(f"pool: {rid} drained in {drained['drain_s']:.1f} s ({drained['in_flight_at_start']} in "
+                  f"flight when it began, {drained['in_flight_left']} left) and stopped", flush=True)  # fmt: skip
+        except Exception as e:
+            event.error = f"removing {rid}: {type(e).__name__}: {e}"
+            print(f"pool: {event.error}", flush=True)
+        finally:
+            self._leaving.discard(rid)
+
+
+PoolActor = ray.remote(PoolController)
+
+
+async def start_pool(cluster) -> object:
+    """Start the run's pool controller, pinned to the driver's node; returns its handle."""
+    here = ray.get_runtime_context().get_node_id()
+    actor = PoolActor.options(
+        name=pool_actor_name(cluster.config.run_name),
+        namespace=NAMESPACE,
+        num_cpus=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+    ).remote(cluster)
+    await actor.start.remote()
+    return actor
+
+
+def connect_to_pool(run_name: str):
+    """The pool controller of a running run (the caller is connected to its Ray cluster)."""
+    try:
+        return ray.get_actor(pool_actor_name(run_name), namespace=NAMESPACE)
+    except ValueError:
+        raise LookupError(
+            f"no pool controller {pool_actor_name(run_name)!r} in this Ray cluster: is run {run_name!r} running?"
+        ) from None
+
+
+def scale(run_name: str, replicas: int | None, auto: bool = False, address: str | None = None,
+          wait: bool = True, timeout_s: float = 900.0) -> int:  # fmt: skip
+    """`jobs/scale.py`: set the pool of a running run to `replicas` (or back to automatic), wait until it
+    is there; with neither, print the pool's status as JSON. Returns the process's exit status."""
+    # Never address=None: with no RAY_ADDRESS that starts a new local cluster, with no run in it.
+    address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        try:
+            pool = connect_to_pool(run_name)
+        except LookupError as e:
+            print(e, file=sys.stderr)
+            return 1
+        if replicas is None and not auto:
+            print(json.dumps(ray.get(pool.status.remote()), indent=2))
+            return 0
+        try:
+            before = ray.get(pool.set_target.remote(None if auto else replicas))
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, ValueError):
+                print(f"refused: {e.cause}", file=sys.stderr)
+                return 2
+            raise
+        print(f"run {run_name}: {'automatic scaling' if auto else f'target {replicas} replicas'} "
+              f"(serving {len(before['serving'])})", flush=True)  # fmt: skip
+        if auto or not wait:
+            return 0
+        deadline, shown = time.monotonic() + timeout_s, None
+        while True:
+            status = ray.get(pool.status.remote())
+            now = {k: status[k] for k in ("serving", "starting", "leaving", "unavailable")}
+            if now != shown:
+                print("  " + "  ".join(f"{k} {v}" for k, v in now.items()), flush=True)
+                shown = now
+            if len(status["serving"]) == replicas and not status["starting"] and not status["leaving"]:
+                print(f"run {run_name}: {replicas} replicas serving", flush=True)
+                return 0
+            if time.monotonic() > deadline:
+                print(f"run {run_name}: not at {replicas} replicas after {timeout_s:.0f} s", file=sys.stderr)
+                return 1
+            time.sleep(1)
+    finally:
+        ray.shutdown()
