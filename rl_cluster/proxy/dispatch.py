@@ -61,6 +61,9 @@ class Dispatcher:
                 waited = True  # every replica down: wait for one to come back (bounded), once
                 if await pool.wait_for_active():
                     tried.clear()
+                    # The replica that came back may be the first to name the base model.
+                    adapter = None if model is None or model in pool.base_models else model
+                    hashes = block_hashes(adapter or "", request_prompt(body), self.config.block_size)
                     continue
                 return no_active_replica(waited_s=self.config.unavailable_timeout_s)
             if not eligible:
