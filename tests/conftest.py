@@ -11,6 +11,7 @@ modules that start vLLM some other way say `pytestmark = pytest.mark.vllm` thems
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import os
 import subprocess
 import time
@@ -29,6 +30,13 @@ REPO = Path(__file__).resolve().parents[1]
 E2E = REPO / "tests" / "e2e"
 # Fixtures that exist only to run vLLM servers (marked_ray: a private Ray for tests whose actors start them).
 VLLM_FIXTURES = {"vllm_servers", "marked_ray"}
+
+
+def pytest_unconfigure(config):
+    """A test that leaves something behind which blocks interpreter exit (a queue's feeder thread on a full
+    pipe, a non-daemon thread) once made CI wait out its whole time limit after every test had passed. If
+    this process is still here two minutes after pytest finished, print every thread's stack and exit 1."""
+    faulthandler.dump_traceback_later(120, exit=True)
 
 
 def pytest_collection_modifyitems(config, items):

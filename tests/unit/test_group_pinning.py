@@ -24,15 +24,29 @@ from rl_cluster.trainer.compat import GroupPinnedRolloutLoop, TrainerPosition
 G = 4
 
 
+# Every queue a test's loop was given. Nobody reads most of what the loops put there, and a process whose
+# queue holds more than a pipe's worth of unread data cannot exit (compat item 13): how much the score
+# loop's per-group metrics reach depends on the machine's speed, so each test lets all of its queues go.
+_QUEUES: list = []
+
+
+@pytest.fixture(autouse=True)
+def _let_queues_go():
+    yield
+    while _QUEUES:
+        _QUEUES.pop().cancel_join_thread()
+
+
 def rollout_loop(cls, tiny_model_dir, reward_funcs=(arithmetic_reward,), tokens=("7",), **extra):
     ctx = mp.get_context("spawn")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    queues = {name: ctx.Queue() for name in ("rollout_buffer", "exception_info_queue", "metrics_queue")}
+    _QUEUES.extend(queues.values())
     loop = cls(
         model_name=str(tiny_model_dir), dataset=Dataset.from_list(make_prompts(8, seed=0)),
         reward_funcs=list(reward_funcs), processing_class=tokenizer, eos_token_ids=[tokenizer.eos_token_id],
-        rollout_buffer=ctx.Queue(), model_version_value=ctx.Value("i", 1), heartbeat_value=ctx.Value("d", 0.0),
-        failed_event=ctx.Event(), exception_info_queue=ctx.Queue(), metrics_queue=ctx.Queue(),
-        num_generations=G, lora_name="run", **extra,
+        model_version_value=ctx.Value("i", 1), heartbeat_value=ctx.Value("d", 0.0), failed_event=ctx.Event(),
+        num_generations=G, lora_name="run", **queues, **extra,
     )  # fmt: skip
     asked: list[str] = []
 
@@ -109,8 +123,6 @@ async def run_loops(loop, phases) -> list:
         action()
     stop.set()
     await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)  # waiting samples do not hold up the stop
-    # Nobody reads most of what was scored: let the queue go, or this process cannot exit (compat item 13).
-    loop.rollout_buffer.cancel_join_thread()
     return sent
 
 
