@@ -18,7 +18,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench import async_vs_sync, capacity, handoff, overhead, report, routing, scaling
+from bench import async_vs_sync, capacity, experience, handoff, overhead, report, routing, scaling
 from bench.common import REPO, machine, vllm_servers, warm_up
 
 
@@ -55,6 +55,7 @@ BENCHMARKS = {  # run in this order, on the same two replicas
     "scaling": scaling.run,
     "handoff": handoff.run,
     "async_vs_sync": async_vs_sync.run,
+    "experience": experience.run,
     "capacity": capacity.run,  # stubs, not the replicas: the proxy alone
 }
 

@@ -321,6 +321,22 @@ def async_section(r: dict) -> str:
     )
 
 
+def experience_section(r: dict) -> str:
+    c = r["config"]
+    rows = [[row["setting"], num(row["mean_step_s"], ".3f"), pct(row["trainer_idle"])] for row in r["rows"]]
+    return "\n\n".join([
+        "## 7. Experience store overhead",
+        f"The same asynchronous run ({c['steps']} steps of {c['completions_per_step']} completions, groups of "
+        f"{c['num_generations']}) with `experience.enabled` on and off, alternating, {c['reps']} repetitions on the "
+        f"same replicas. Every pulled sample becomes a row on the training thread; Parquet shards of "
+        f"{c['shard_groups']} groups are written and committed on a background thread.",
+        table(["setting", "mean step (s)", "trainer idle"], rows),
+        f"Step time with the store / without: **{num(r['step_time_ratio'], '.3f')}×** (paired, median). The store "
+        f"wrote {num(r['bytes_per_step'] / 1024, '.1f')} KiB per step ({num(r['bytes_per_group'], '.0f')} bytes "
+        f"per group, zstd Parquet); rows lost to a full write queue: {r['lost_rows']}.",
+    ])  # fmt: skip
+
+
 def failure_section(title: str, error: str) -> str:
     return f"## {title}\n\nFAILED: {error}"
 
@@ -337,6 +353,7 @@ def write(out: Path, plots_dir: Path, results: dict, info: dict, command: str, q
         "scaling": (scaling_section, "4. Scaling"),
         "async_vs_sync": (async_section, "5. Asynchronous vs synchronous GRPO"),
         "capacity": (capacity_section, "6. Proxy capacity"),
+        "experience": (experience_section, "7. Experience store overhead"),
     }
     parts = [
         "# Benchmarks",

@@ -218,6 +218,7 @@ async def launch(
         replica_key=secrets.replica_key,
         auth_token=secrets.proxy_token,
         loopback=loopback,
+        run_name=config.run_name,
     )
     cluster = Cluster(
         config=config,

@@ -312,6 +312,29 @@ class EvalConfig(Section):
     """Eval requests the trainer keeps in flight at once (one per problem: the greedy one, then n=k)."""
 
 
+class LoggingConfig(Section):
+    wandb: Literal["offline", "online", "off"] = "offline"
+    """Weights & Biases logging of every step's metrics, the evals, the config and the summary. "offline"
+    writes the run under `<trainer's working dir>/wandb/` for `wandb sync` later (no account, no network);
+    "online" needs WANDB_API_KEY in the trainer's environment (runtime_env env_vars)."""
+    wandb_project: str = "rl_cluster"
+    """W&B project the run is logged to."""
+    wandb_entity: str | None = None
+    """W&B entity (user or team); None: the API key's default entity."""
+    wandb_dir: str | None = None
+    """Directory wandb writes its run files into; None: the trainer's working directory."""
+
+
+class ExperienceConfig(Section):
+    enabled: bool = True
+    """Append every group the trainer consumes, and every group dropped as stale, to
+    `<bucket>/<run_name>/experience/` as Parquet shards (prompt and completion token ids, sampled logprobs,
+    rewards, advantages, adapter version); read them with `python -m rl_cluster.experience RUN`."""
+    shard_groups: int = Field(64, ge=1)
+    """Groups per shard: a shard is written (off the training thread) once this many are buffered, and at
+    the end of the run."""
+
+
 class ClusterConfig(Section):
     address: str | None = None
     """Ray address to join. None joins a running cluster when there is one (RAY_ADDRESS, or one started
@@ -331,6 +354,8 @@ class RunConfig(Section):
     bucket: BucketConfig = BucketConfig()
     check: CheckConfig = CheckConfig()
     eval: EvalConfig = EvalConfig()
+    logging: LoggingConfig = LoggingConfig()
+    experience: ExperienceConfig = ExperienceConfig()
     cluster: ClusterConfig = ClusterConfig()
 
     @model_validator(mode="after")

@@ -133,6 +133,7 @@ async def train(config: RunConfig, resume: bool = False) -> dict:
         cluster.placement["trainer"] = await cluster.trainer.placement.remote()
         for actor, where in cluster.placement.items():
             print(f"  {actor:<14} on {where['address']}", flush=True)
+        print(f"Ray metrics (rl_trainer_*, rl_proxy_*, rl_generator_*): {metrics_exports()}", flush=True)
         result = await cluster.trainer.train.remote(resume=resume)
     except asyncio.CancelledError:
         asyncio.current_task().uncancel()  # the stop is handled here; the cleanup's awaits must run
@@ -168,7 +169,10 @@ async def train(config: RunConfig, resume: bool = False) -> dict:
             trainer_restarts, cluster.trainer if cluster else None
         )
         summary["resumed_from_step"] = result.get("resumed_from_step")
+        summary["experience"] = result.get("experience")
         bucket.write_text(config.run_name, "summary.json", json.dumps(summary, indent=2))
+        if cluster is not None and cluster.trainer is not None:
+            await _bounded(cluster.trainer.finish.remote(summary), None)
         if result["history"]:
             bucket.write_bytes(
                 config.run_name,
@@ -186,6 +190,14 @@ async def train(config: RunConfig, resume: bool = False) -> dict:
         flush=True,
     )
     return summary
+
+
+def metrics_exports() -> str:
+    """Each live node's Ray metrics export, where Prometheus scrapes the run's metrics."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n["Alive"] and n.get("MetricsExportPort")]
+    return " ".join(f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics" for n in nodes)
 
 
 def trainer_restarts(trainer) -> int | None:

@@ -2,14 +2,15 @@
 s3:// prefix.
 
 Layout: `<bucket>/<run_name>/adapters/<adapter_name>-v<N>/` holds the PEFT files and `manifest.json`;
-`<bucket>/<run_name>/checkpoints/step-<N>/` holds what the HF Trainer saved at step N and `manifest.json`.
-Both are committed directories under one rule, kept by the backend (`store.py` says what a backend
+`<bucket>/<run_name>/checkpoints/step-<N>/` holds what the HF Trainer saved at step N and `manifest.json`;
+`<bucket>/<run_name>/experience/shard-<seq>-<segment>/` holds `rows.parquet` (rl_cluster.core.experience).
+All are committed directories under one rule, kept by the backend (`store.py` says what a backend
 does; `directory.py` and `s3.py` are the two, chosen once when a Bucket is made): files first, manifest
 last, so a reader that sees a manifest sees every file it lists. Deletion runs in reverse (manifest
-first), so no reader ever sees a manifest whose files are gone. A new kind of published directory
-(experience shards, say) is one more `_Kind` and a publish method that builds its manifest.
+first), so no reader ever sees a manifest whose files are gone. A new kind of published directory is
+one more `Kind` (`layout.py`, with every name and path) and a publish method that builds its manifest.
 
-This module holds what does not depend on the medium: names, what a manifest says, what a reader checks.
+This module holds what does not depend on the medium: what a manifest says, what a reader checks.
 Readers trust nothing else: `fetch_verified` checks the manifest against the base model and the
 replica's max LoRA rank before any file is hashed or downloaded, then every file (size, sha256) before
 a path is handed to vLLM; `fetch_checkpoint` checks a checkpoint the same way before a trainer resumes.
@@ -23,72 +24,44 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import json
+import tempfile
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from rl_cluster.bucket.directory import DirectoryStore
+from rl_cluster.bucket.layout import (
+    ADAPTERS,
+    ADAPTERS_DIR,
+    CHECKPOINTS,
+    CHECKPOINTS_DIR,
+    EXPERIENCE_SHARDS,
+    Kind,
+    adapter_rel,
+    checkpoint_rel,
+    flat_files,
+    plain,
+    run_file_rel,
+    shard_rel,
+)
 from rl_cluster.bucket.s3 import S3Store
 from rl_cluster.bucket.store import Manifest, RetryPolicy, Store
+from rl_cluster.core.experience import EXPERIENCE_DIR, SHARD_FILE, build_shard_manifest, parse_shard_dir_name
 from rl_cluster.core.manifest import (
-    ADAPTER,
-    CHECKPOINT,
     CHECKPOINT_REQUIRED_FILES,
     MANIFEST_NAME,
     REQUIRED_FILES,
-    adapter_dir_name,
     build_checkpoint_manifest,
     build_manifest,
     check_checkpoint_compatible,
     check_compatible,
-    checkpoint_dir_name,
     manifest_to_json,
     parse_adapter_dir_name,
     parse_checkpoint_dir_name,
-    parse_manifest,
-    split_adapter_dir_name,
     versions_to_delete,
 )
 from rl_cluster.errors import AdapterNotFound, AdapterRejected
 
 __all__ = ["ADAPTERS_DIR", "CHECKPOINTS_DIR", "Bucket", "apply_cache_retention"]
-
-ADAPTERS_DIR = "adapters"
-CHECKPOINTS_DIR = "checkpoints"
-
-
-@dataclass(frozen=True)
-class _Kind:
-    """What differs between the kinds of published directory; publication, listing, verification and
-    deletion are shared."""
-
-    manifest_kind: str  # the manifest's `kind`
-    subdir: str  # the directory under `<run>/`
-    noun: str  # in messages: "not a <noun> directory"
-    article: str  # in messages: "'..' in <article> path"
-    pattern: str  # how a directory is named, in messages
-    is_dir_name: Callable[[str], bool]
-    never_reused: str  # why publishing over an existing one is refused
-
-
-_ADAPTERS = _Kind(
-    ADAPTER,
-    ADAPTERS_DIR,
-    "version",
-    "an adapter",
-    "<name>-v<N>",
-    lambda name: split_adapter_dir_name(name) is not None,
-    "adapter names are never reused",
-)
-_CHECKPOINTS = _Kind(
-    CHECKPOINT,
-    CHECKPOINTS_DIR,
-    "checkpoint",
-    "a checkpoint",
-    "step-<N>",
-    lambda name: parse_checkpoint_dir_name(name) is not None,
-    "checkpoints are never overwritten",
-)
 
 
 class Bucket:
@@ -129,15 +102,19 @@ class Bucket:
 
     def run_uri(self, run_name: str) -> str:
         """Where a run's files live: a directory path, or an s3:// URI."""
-        return self.store.uri_of(_plain(run_name, "run_name"))
+        return self.store.uri_of(plain(run_name, "run_name"))
 
     def adapter_uri(self, run_name: str, adapter_name: str, version: int) -> str:
         """Where version N of an adapter lives (what `publish_adapter` returns)."""
-        return self.store.uri_of(_adapter_rel(run_name, adapter_name, version))
+        return self.store.uri_of(adapter_rel(run_name, adapter_name, version))
 
     def checkpoint_uri(self, run_name: str, step: int) -> str:
         """Where the checkpoint of trainer step N lives (what `publish_checkpoint` returns)."""
-        return self.store.uri_of(_checkpoint_rel(run_name, step))
+        return self.store.uri_of(checkpoint_rel(run_name, step))
+
+    def experience_shard_uri(self, run_name: str, seq: int, segment: str) -> str:
+        """Where shard `seq` of a segment lives (what `publish_experience_shard` returns)."""
+        return self.store.uri_of(shard_rel(run_name, seq, segment))
 
     # ---------------------------------------------------------------- run files
 
@@ -147,7 +124,7 @@ class Bucket:
 
     def write_bytes(self, run_name: str, relpath: str, data: bytes) -> str:
         """Write a run file (curves.png, ...) atomically: readers see the old or the new content, never half."""
-        rel = _run_file_rel(run_name, relpath)
+        rel = run_file_rel(run_name, relpath)
         self.store.write(rel, data)
         return self.store.uri_of(rel)
 
@@ -157,7 +134,7 @@ class Bucket:
 
     def read_bytes(self, run_name: str, relpath: str) -> bytes:
         """Read a run file written by `write_bytes`."""
-        return self.store.read(_run_file_rel(run_name, relpath))
+        return self.store.read(run_file_rel(run_name, relpath))
 
     # ---------------------------------------------------------------- publication
 
@@ -181,7 +158,7 @@ class Bucket:
         its prefix cache by adapter name and would serve the old policy's KV blocks.
         """
         src = Path(src_dir)
-        files = _flat_files(src, REQUIRED_FILES, "a PEFT save_pretrained directory")
+        files = flat_files(src, REQUIRED_FILES, "a PEFT save_pretrained directory")
         peft_rank = json.loads((src / "adapter_config.json").read_text()).get("r")
         if peft_rank is not None and peft_rank != rank:
             raise ValueError(f"{src}: adapter_config.json says r={peft_rank}, but rank={rank} was given")
@@ -196,7 +173,7 @@ class Bucket:
             target_modules=target_modules,
             trainer_step=trainer_step,
         )
-        return self._publish(_adapter_rel(run_name, adapter_name, version), files, build, _ADAPTERS)
+        return self._publish(adapter_rel(run_name, adapter_name, version), files, build, ADAPTERS)
 
     def publish_checkpoint(
         self, run_name: str, step: int, src_dir: str | Path, *, base_model: str, base_fingerprint: str
@@ -208,14 +185,26 @@ class Bucket:
         (a checkpoint is never overwritten); ValueError for a directory with subdirectories (a DeepSpeed
         `global_step*/`, say: not supported) or without trainer_state.json.
         """
-        files = _flat_files(Path(src_dir), CHECKPOINT_REQUIRED_FILES, "a HF Trainer checkpoint directory")
-        rel = _checkpoint_rel(run_name, step)
+        files = flat_files(Path(src_dir), CHECKPOINT_REQUIRED_FILES, "a HF Trainer checkpoint directory")
+        rel = checkpoint_rel(run_name, step)
         build = functools.partial(
             build_checkpoint_manifest, step=step, base_model=base_model, base_fingerprint=base_fingerprint
         )
-        return self._publish(rel, files, build, _CHECKPOINTS)
+        return self._publish(rel, files, build, CHECKPOINTS)
 
-    def _publish(self, rel: str, files: list[Path], build: Callable[..., Manifest], kind: _Kind) -> str:
+    def publish_experience_shard(
+        self, run_name: str, seq: int, segment: str, parquet_path: str | Path, *, rows: int, groups: int
+    ) -> str:
+        """Publish a Parquet file of experience rows (`rows` of them, `groups` distinct groups) as
+        `<run>/experience/shard-<seq:06d>-<segment>/rows.parquet`; returns the shard's URI. FileExistsError
+        for a (seq, segment) already published."""
+        build = functools.partial(build_shard_manifest, seq=seq, segment=segment, rows=rows, groups=groups)
+        with tempfile.TemporaryDirectory(prefix="rl_cluster-shard-") as stage:
+            staged = Path(stage) / SHARD_FILE  # the file's name in the shard, whatever it is called here
+            staged.symlink_to(Path(parquet_path).absolute())
+            return self._publish(shard_rel(run_name, seq, segment), [staged], build, EXPERIENCE_SHARDS)
+
+    def _publish(self, rel: str, files: list[Path], build: Callable[..., Manifest], kind: Kind) -> str:
         """Commit `files` as `rel` with the manifest `build(created_at=, files=)` makes of their digests."""
         try:
             self.store.publish(
@@ -229,12 +218,17 @@ class Bucket:
 
     def list_versions(self, run_name: str, adapter_name: str) -> list[int]:
         """Committed versions (those with a manifest), oldest first."""
-        parse = functools.partial(parse_adapter_dir_name, _plain(adapter_name, "adapter_name"))
-        return self._committed(f"{_plain(run_name, 'run_name')}/{ADAPTERS_DIR}", parse)
+        parse = functools.partial(parse_adapter_dir_name, plain(adapter_name, "adapter_name"))
+        return self._committed(f"{plain(run_name, 'run_name')}/{ADAPTERS_DIR}", parse)
 
     def list_checkpoints(self, run_name: str) -> list[int]:
         """Steps of the committed checkpoints (those with a manifest), oldest first."""
-        return self._committed(f"{_plain(run_name, 'run_name')}/{CHECKPOINTS_DIR}", parse_checkpoint_dir_name)
+        return self._committed(f"{plain(run_name, 'run_name')}/{CHECKPOINTS_DIR}", parse_checkpoint_dir_name)
+
+    def list_experience_shards(self, run_name: str) -> list[tuple[int, str]]:
+        """(seq, segment) of the committed shards (those with a manifest), oldest trainer process first."""
+        names = self.store.committed(f"{plain(run_name, 'run_name')}/{EXPERIENCE_DIR}")
+        return sorted(filter(None, map(parse_shard_dir_name, names)), key=lambda s: (s[1], s[0]))
 
     def _committed(self, parent: str, parse: Callable[[str], int | None]) -> list[int]:
         """N of each committed directory under `parent` whose name `parse` maps to N, sorted."""
@@ -253,7 +247,7 @@ class Bucket:
         AdapterRejected when the version is not what was published or does not fit this replica,
         BucketUnavailable when unreachable.
         """
-        rel, name, manifest = self._manifest(version_uri, _ADAPTERS)
+        rel, name, manifest = self._manifest(version_uri, ADAPTERS)
         # Before any file is hashed or downloaded: weights that could not be used are not fetched.
         check_compatible(
             manifest, expected_name=name, base_fingerprint=base_fingerprint, max_lora_rank=max_lora_rank
@@ -270,11 +264,22 @@ class Bucket:
         AdapterRejected when a file is not what was published (the message names it) or, when
         `base_fingerprint` is given, the checkpoint was trained on another base model.
         """
-        rel, name, manifest = self._manifest(checkpoint_uri, _CHECKPOINTS)
+        rel, name, manifest = self._manifest(checkpoint_uri, CHECKPOINTS)
         check_checkpoint_compatible(manifest, expected_name=name, base_fingerprint=base_fingerprint)
         return self.store.fetch(rel, manifest, Path(cache_dir).absolute())
 
-    def _manifest(self, uri: str, kind: _Kind) -> tuple[str, str, Manifest]:
+    def fetch_experience_shard(self, shard_uri: str, *, cache_dir: str | Path) -> Path:
+        """The local path of a shard's rows.parquet, verified against its manifest (in place for a directory
+        bucket, downloaded into `cache_dir/<run>/experience/<shard>/` for s3). AdapterNotFound while it
+        has no manifest; AdapterRejected when the file is not what was published (the message names it)."""
+        rel, name, manifest = self._manifest(shard_uri, EXPERIENCE_SHARDS)
+        if manifest["name"] != name:
+            raise AdapterRejected(
+                f"{name}: manifest describes {manifest['name']!r} (copied or renamed shard?)"
+            )
+        return self.store.fetch(rel, manifest, Path(cache_dir).absolute()) / SHARD_FILE
+
+    def _manifest(self, uri: str, kind: Kind) -> tuple[str, str, Manifest]:
         """(rel, directory name, parsed manifest) of a published directory of this bucket; AdapterRejected
         unless `uri` is one of `kind`, AdapterNotFound while it has no manifest."""
         rel = self.store.locate(uri, kind.article)
@@ -289,7 +294,7 @@ class Bucket:
             raise AdapterNotFound(
                 f"{name}: no {MANIFEST_NAME} at {self.store.uri_of(path)} (not published yet, or the bucket lags?)"
             ) from None
-        return path, name, parse_manifest(text, where=f"{name}/{MANIFEST_NAME}", kind=kind.manifest_kind)
+        return path, name, kind.parse(text, f"{name}/{MANIFEST_NAME}")
 
     # ---------------------------------------------------------------- retention
 
@@ -304,7 +309,7 @@ class Bucket:
             protected=set(protected),
         )
         for version in doomed:
-            self.store.delete(_adapter_rel(run_name, adapter_name, version))
+            self.store.delete(adapter_rel(run_name, adapter_name, version))
         return doomed
 
     def apply_checkpoint_retention(self, run_name: str, *, keep_last: int) -> list[int]:
@@ -315,7 +320,7 @@ class Bucket:
             )
         doomed = versions_to_delete(self.list_checkpoints(run_name), live_window=keep_last, keep_every=0)
         for step in doomed:
-            self.store.delete(_checkpoint_rel(run_name, step))
+            self.store.delete(checkpoint_rel(run_name, step))
         return doomed
 
 
@@ -337,47 +342,5 @@ def apply_cache_retention(
     )
 
 
-# -------------------------------------------------------------------- names
-
-
-def _plain(name: str, what: str) -> str:
-    """A single path segment that cannot climb out of its parent or hide from listings."""
-    if not name or name.startswith(".") or "/" in name or "\\" in name:
-        raise ValueError(f"{what}={name!r} must be a plain name (no '/', not starting with '.')")
-    return name
-
-
-def _adapter_rel(run_name: str, adapter_name: str, version: int) -> str:
-    name = adapter_dir_name(_plain(adapter_name, "adapter_name"), version)
-    return f"{_plain(run_name, 'run_name')}/{ADAPTERS_DIR}/{name}"
-
-
-def _checkpoint_rel(run_name: str, step: int) -> str:
-    return f"{_plain(run_name, 'run_name')}/{CHECKPOINTS_DIR}/{checkpoint_dir_name(step)}"
-
-
-def _run_file_rel(run_name: str, relpath: str) -> str:
-    parts = PurePosixPath(relpath).parts
-    if not parts or PurePosixPath(relpath).is_absolute() or any(p in (".", "..") for p in parts):
-        raise ValueError(f"relpath={relpath!r} must be a relative path without '..'")
-    return "/".join([_plain(run_name, "run_name"), *parts])
-
-
 def _now() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds")
-
-
-def _flat_files(src_dir: Path, required: Iterable[str], what: str) -> list[Path]:
-    """The files of a directory to publish, checked before anything is written: plain files only (no
-    subdirectories), none named manifest.json, every `required` one present."""
-    entries = sorted(src_dir.iterdir())
-    nested = [p.name for p in entries if not p.is_file()]
-    if nested:
-        raise ValueError(f"{src_dir}: only plain files can be published, found {nested}")
-    names = {p.name for p in entries}
-    if MANIFEST_NAME in names:
-        raise ValueError(f"{src_dir}: contains {MANIFEST_NAME}, a name the bucket protocol reserves")
-    absent = [name for name in required if name not in names]
-    if absent:
-        raise ValueError(f"{src_dir}: lacks {', '.join(absent)}; is it {what}?")
-    return entries

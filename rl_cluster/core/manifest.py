@@ -7,7 +7,8 @@ trainer state) and its `manifest.json`, also written last. The manifest records 
 plus what the files fit (base model; rank for adapters), so a reader can tell "not published yet" (no
 manifest: AdapterNotFound, retry) from "not what was published" or "does not fit" (AdapterRejected, do not
 retry), each with a message naming the cause. Its `kind` says which of the two it describes; manifests
-written before the field existed are adapter manifests.
+written before the field existed are adapter manifests. Other kinds (experience shards: core/experience.py)
+build on the checks every manifest shares, `check_fields` and `check_file_entries`.
 """
 
 from __future__ import annotations
@@ -209,12 +210,17 @@ def manifest_to_json(manifest: Mapping[str, Any]) -> str:
 
 def parse_manifest(text: str | bytes, where: str = MANIFEST_NAME, *, kind: str = ADAPTER) -> dict[str, Any]:
     """Parse and validate manifest JSON of the given kind; `where` names it in error messages."""
-    try:
-        manifest = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise AdapterRejected(f"{where}: not valid JSON ({e})") from e
+    manifest = load_json(text, where)
     validate_manifest(manifest, where, kind=kind)
     return manifest
+
+
+def load_json(text: str | bytes, where: str) -> Any:
+    """Manifest JSON, not yet validated; AdapterRejected when it does not parse."""
+    try:
+        return json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise AdapterRejected(f"{where}: not valid JSON ({e})") from e
 
 
 def validate_manifest(manifest: Any, where: str = MANIFEST_NAME, *, kind: str = ADAPTER) -> None:
@@ -222,22 +228,7 @@ def validate_manifest(manifest: Any, where: str = MANIFEST_NAME, *, kind: str = 
     and file names are safe."""
     if kind not in _FIELD_TYPES:
         raise ValueError(f"kind={kind!r} is not one of {', '.join(_FIELD_TYPES)}")
-    if not isinstance(manifest, dict):
-        raise AdapterRejected(f"{where}: expected a JSON object, got {type(manifest).__name__}")
-    found = manifest.get("kind", ADAPTER)  # written before `kind` existed: an adapter manifest
-    if found != kind:
-        raise AdapterRejected(f"{where}: kind {found!r}, expected {kind!r}")
-    field_types = _FIELD_TYPES[kind]
-    missing = [key for key in field_types if key not in manifest]
-    if missing:
-        raise AdapterRejected(f"{where}: missing field(s) {', '.join(missing)}")
-    for key, types in field_types.items():
-        value = manifest[key]
-        if isinstance(value, bool) or not isinstance(value, types):  # bool is an int to Python, not here
-            wanted = " or ".join(t.__name__ for t in types)
-            raise AdapterRejected(f"{where}: field {key!r} should be {wanted}, got {value!r}")
-    if manifest["format"] != MANIFEST_FORMAT:
-        raise AdapterRejected(f"{where}: format {manifest['format']} is not the supported {MANIFEST_FORMAT}")
+    check_fields(manifest, where, kind, _FIELD_TYPES[kind])
     if kind == ADAPTER:
         if manifest["version"] < 0 or manifest["rank"] < 1:
             raise AdapterRejected(f"{where}: version must be >= 0 and rank >= 1")
@@ -253,6 +244,31 @@ def validate_manifest(manifest: Any, where: str = MANIFEST_NAME, *, kind: str = 
             raise AdapterRejected(
                 f"{where}: name {manifest['name']!r} does not match step {manifest['step']}"
             )
+    check_file_entries(manifest, where, _REQUIRED_FILES[kind])
+
+
+def check_fields(manifest: Any, where: str, kind: str, field_types: Mapping[str, tuple[type, ...]]) -> None:
+    """The checks every kind of manifest shares, before its own: a JSON object of `kind`, every field of
+    `field_types` present with its type, the supported format."""
+    if not isinstance(manifest, dict):
+        raise AdapterRejected(f"{where}: expected a JSON object, got {type(manifest).__name__}")
+    found = manifest.get("kind", ADAPTER)  # written before `kind` existed: an adapter manifest
+    if found != kind:
+        raise AdapterRejected(f"{where}: kind {found!r}, expected {kind!r}")
+    missing = [key for key in field_types if key not in manifest]
+    if missing:
+        raise AdapterRejected(f"{where}: missing field(s) {', '.join(missing)}")
+    for key, types in field_types.items():
+        value = manifest[key]
+        if isinstance(value, bool) or not isinstance(value, types):  # bool is an int to Python, not here
+            wanted = " or ".join(t.__name__ for t in types)
+            raise AdapterRejected(f"{where}: field {key!r} should be {wanted}, got {value!r}")
+    if manifest["format"] != MANIFEST_FORMAT:
+        raise AdapterRejected(f"{where}: format {manifest['format']} is not the supported {MANIFEST_FORMAT}")
+
+
+def check_file_entries(manifest: Mapping[str, Any], where: str, required: Iterable[str]) -> None:
+    """Every file entry names a plain file and gives a size and sha256; every `required` file is listed."""
     files = manifest["files"]
     for name, entry in files.items():
         # File names are joined to the version directory by readers: a `../x` entry would read elsewhere.
@@ -263,7 +279,7 @@ def validate_manifest(manifest: Any, where: str = MANIFEST_NAME, *, kind: str = 
             raise AdapterRejected(f"{where}: {name}: size {size!r} is not a byte count")
         if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
             raise AdapterRejected(f"{where}: {name}: sha256 {sha!r} is not 64 lowercase hex digits")
-    absent = [name for name in _REQUIRED_FILES[kind] if name not in files]
+    absent = [name for name in required if name not in files]
     if absent:
         raise AdapterRejected(f"{where}: does not list {', '.join(absent)}")
 

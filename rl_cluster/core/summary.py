@@ -22,6 +22,8 @@ def step_record(step: int, logs: dict, policy_version: int, handoff_s: float | N
         "kl": logs.get("kl"),
         "step_s": logs.get("perf/step_s"),
         "rollout_wait_s": logs.get("perf/rollout_wait_s"),
+        "trained_tok_s": logs.get("perf/trained_tok_s_wall_clock"),
+        "generated_tok_s": logs.get("rollout/generated_tok_s"),
     }
 
 

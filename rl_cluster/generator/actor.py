@@ -15,14 +15,17 @@ from pathlib import Path
 
 import aiohttp
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 
 from rl_cluster.bucket import Bucket, apply_cache_retention
 from rl_cluster.config import RunConfig
 from rl_cluster.core.manifest import split_adapter_dir_name
 from rl_cluster.core.restarts import RestartBudget
+from rl_cluster.core.telemetry import GENERATOR_METRICS, vllm_gauges
 from rl_cluster.generator.server import ServerSpec, VLLMServer
 from rl_cluster.models import model_fingerprint, resolve_model
 from rl_cluster.proxy.adapter_loader import HttpAdapterLoader
+from rl_cluster.telemetry import RayMetricSet
 
 
 def _free_port(host: str) -> int:
@@ -43,6 +46,7 @@ def max_num_seqs(extra_args: list[str]) -> int | None:
 
 
 SUPERVISE_INTERVAL_S = 2.0
+METRICS_EVERY = 3  # supervision rounds between two exports of the replica's metrics
 UNHEALTHY_CHECKS = 3  # a server busy with long prefills may miss one /health; three in a row is dead
 HEALTH_TIMEOUT = aiohttp.ClientTimeout(total=10)
 
@@ -75,6 +79,7 @@ class Generator:
         self.restarts = RestartBudget(config.generator.max_restarts, config.generator.restart_backoff_s)
         self._supervisor: asyncio.Task | None = None
         self._stopping = False
+        self.metrics = RayMetricSet(GENERATOR_METRICS, config.run_name)
 
     async def start(self, replica_index: int, proxy=None) -> str:
         """Start vLLM, wait until healthy, register with `proxy` (which loads every live adapter version
@@ -126,8 +131,12 @@ class Generator:
         proxy at once (no traffic), restart it on the same port, and hand it back to the proxy, which
         reloads every live adapter version on it before routing to it again."""
         failed_checks = 0
+        rounds = 0
         while not self._stopping:
             await asyncio.sleep(SUPERVISE_INTERVAL_S)
+            rounds += 1
+            if rounds % METRICS_EVERY == 1:
+                await self._export_metrics()
             code = self.server.process.poll() if self.server and self.server.process else None
             if code is not None:
                 reason = f"vLLM server exited with code {code}"
@@ -142,6 +151,26 @@ class Generator:
                     return
             except (RuntimeError, TimeoutError) as e:  # it died again while starting: the next round sees it
                 print(f"replica {self.replica_id}: restart failed: {e}", flush=True)
+
+    async def _export_metrics(self) -> None:
+        """The replica's own gauges, and vLLM's KV cache usage and queue lengths from its /metrics."""
+        tags = {"replica": self.replica_id}
+        self.metrics.set("rl_generator_adapters_loaded", len(self.loaded), **tags)
+        self.metrics.set("rl_generator_restarts", self.restarts.used, **tags)
+        try:
+            async with self._session.get(f"{self.server.url}/metrics", timeout=HEALTH_TIMEOUT) as response:
+                response.raise_for_status()
+                page = await response.text()
+        except (aiohttp.ClientError, TimeoutError):
+            self.metrics.set("rl_generator_up", 0, **tags)
+            return
+        samples: dict[str, float] = {}
+        for family in text_string_to_metric_families(page):
+            for sample in family.samples:
+                samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+        self.metrics.set("rl_generator_up", 1, **tags)
+        for name, value in vllm_gauges(samples).items():
+            self.metrics.set(name, value, **tags)
 
     async def _healthy(self) -> bool:
         try:

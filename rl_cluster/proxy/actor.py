@@ -30,16 +30,18 @@ class ProxyActor:
         replica_key: str | None = None,
         auth_token: str | None = None,
         loopback: bool = True,
+        run_name: str | None = None,
     ):
         """`adapter_root`: the bucket every loaded adapter path must lie inside (None: any path).
         `replica_key`: what the replicas demand; `auth_token`: what the control routes demand (None: the
         configured one). `loopback`: bind 127.0.0.1 when `config.host` is unset (a private local Ray),
-        else this node's address, where the trainer and operators on other nodes reach it."""
+        else this node's address, where the trainer and operators on other nodes reach it. `run_name`: the
+        `run` tag of the proxy's Ray metrics."""
         host = config.host or ("127.0.0.1" if loopback else ray.util.get_node_ip_address())
         token = SecretStr(auth_token) if auth_token else config.auth_token
         resolved = config.model_copy(update={"host": host, "auth_token": token})
         self._server = ProxyServer(resolved, adapter_root, replica_key)
-        self._metrics = RayMetrics()
+        self._metrics = RayMetrics(run_name=run_name)
         self._server.broadcast_latency.listeners.append(self._metrics.observe_broadcast)
         self._exporter: asyncio.Task | None = None
 

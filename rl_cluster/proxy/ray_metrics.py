@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from rl_cluster.core.telemetry import RUN_TAG
 from rl_cluster.proxy.metrics import BROADCAST_SECONDS, METRICS
 
 EXPORT_INTERVAL_S = 5.0
@@ -20,12 +21,20 @@ EXPORT_INTERVAL_S = 5.0
 class RayMetrics:
     """Mirrors proxy stats into Ray metrics. `metrics` is ray.util.metrics unless a test passes a stand-in."""
 
-    def __init__(self, metrics: ModuleType | None = None):
+    def __init__(self, metrics: ModuleType | None = None, run_name: str | None = None):
+        """`run_name`: tags every series `run=<run_name>` (a Ray default tag), as the trainer's and the
+        generators' metrics are (rl_cluster.core.telemetry)."""
         m = metrics or importlib.import_module("ray.util.metrics")
         kinds = {"gauge": m.Gauge, "counter": m.Counter}
-        self.by_name = {d.name: kinds[d.kind](d.name, d.help, tag_keys=d.labels) for d in METRICS if d.ray}
+        run = (RUN_TAG,) if run_name else ()
+        self.by_name = {
+            d.name: kinds[d.kind](d.name, d.help, tag_keys=d.labels + run) for d in METRICS if d.ray
+        }
         h = BROADCAST_SECONDS
-        self.broadcast = m.Histogram(h.name, h.help, boundaries=list(h.buckets), tag_keys=h.labels)
+        self.broadcast = m.Histogram(h.name, h.help, boundaries=list(h.buckets), tag_keys=h.labels + run)
+        if run_name:
+            for metric in (*self.by_name.values(), self.broadcast):
+                metric.set_default_tags({RUN_TAG: run_name})
         # Each counter sample's value at the last update.
         self._seen: dict[tuple[str, tuple[str, ...]], float] = {}
 

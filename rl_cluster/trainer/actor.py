@@ -16,7 +16,9 @@ from rl_cluster.config import RunConfig
 from rl_cluster.core.admission import AdmissionWindow
 from rl_cluster.core.evaluation import eval_line, eval_record, with_evals
 from rl_cluster.core.summary import progress_line, step_record
+from rl_cluster.core.telemetry import GROUP_FATES, TRAINER_METRICS, finite, step_values
 from rl_cluster.models import model_fingerprint, resolve_model
+from rl_cluster.telemetry import RayMetricSet
 from rl_cluster.tiny import make_prompts
 from rl_cluster.trainer.check import served_vs_trained_gap
 from rl_cluster.trainer.proxy_client import ProxyClient
@@ -82,12 +84,24 @@ class Trainer:
         self.resumed_from_step: int | None = None
         self._groups_before: dict = {}  # groups of the run before the checkpoint it resumed from
         self._checked = False
+        self.metrics = RayMetricSet(TRAINER_METRICS, config.run_name)
+        self._wandb = None
+        self._experience = None  # rl_cluster.experience.ExperienceWriter, made with the trainer
 
     # -- reporting -------------------------------------------------------------------------------------
     def _on_step(self, step: int, logs: dict) -> None:
         record = step_record(step, logs, self.trainer.model_version, self.last_sync.get("handoff_s"))
         self.history.append(record)
         print(progress_line(record, self.config.trainer.max_steps), flush=True)
+        gauges, observed = step_values(record)
+        for name, value in gauges.items():
+            self.metrics.set(name, value)
+        for name, value in observed.items():
+            self.metrics.observe(name, value)
+        self._wandb.log_step(step, record)
+        counts = self._group_counts()
+        for fate in GROUP_FATES:
+            self.metrics.set("rl_trainer_groups", counts[fate], fate=fate)
         if step % 10 == 0:
             self._write_metrics()
 
@@ -122,6 +136,15 @@ class Trainer:
                 )
         self.syncs.append(record)
         self.last_sync = record
+        self.metrics.observe("rl_trainer_handoff_seconds", timings["handoff_s"])
+        if "served_vs_trained_gap" in record:
+            self.metrics.set("rl_trainer_served_vs_trained_gap", record["served_vs_trained_gap"])
+
+    def _on_sample(self, sample, trainer_version: int, trained: bool) -> None:
+        """Every sample the trainer pulls, on the training thread: keep it cheap."""
+        self.metrics.observe("rl_trainer_staleness", trainer_version - sample.model_version)
+        if self._experience is not None:
+            self._experience.add(sample, trainer_version=trainer_version, trained=trained)
 
     def _on_eval(self, step: int) -> None:
         """Eval of the newest version on the held-out split (rl_cluster.trainer.evaluation); once per step
@@ -137,6 +160,10 @@ class Trainer:
         record = eval_record(step, adapter, version, scores, time.time() - start)
         self.evals.append(record)
         print(eval_line(record), flush=True)
+        for score in ("pass@1", "mean@k"):
+            if (value := finite(record.get(score))) is not None:
+                self.metrics.set("rl_trainer_eval", value, score=score)
+        self._wandb.log_eval(record)
         self._write_metrics()
 
     def _publish_checkpoint(self, step: int, local_dir: str) -> None:
@@ -233,6 +260,12 @@ class Trainer:
             )
             if checkpoint:
                 self._restore(checkpoint)
+        from rl_cluster.trainer.wandb_log import WandbLog
+
+        # Offline runs land beside the run's files when the bucket is a directory every node mounts.
+        self._wandb = WandbLog(c, None if self.bucket.is_remote else self.bucket.run_uri(c.run_name))
+        if self._wandb.sync_dir:
+            print(f"wandb ({c.logging.wandb}): {self._wandb.sync_dir}", flush=True)
         output_dir = tempfile.mkdtemp(prefix=f"rl_cluster-{c.run_name}-")
         admission = AdmissionWindow.for_trainer(
             t.completions_per_step,
@@ -288,10 +321,21 @@ class Trainer:
             base_fingerprint=fingerprint,
             keep_every=c.bucket.keep_every,
             on_sync=self._on_sync,
+            on_sample=self._on_sample,
             admission=admission,
             first_version=max(self.bucket.list_versions(c.run_name, c.run_name), default=0) + 1,
         )
         quiet_default_printer(self.trainer)
+        if c.experience.enabled:
+            from rl_cluster.experience import ExperienceWriter
+
+            self._experience = ExperienceWriter(
+                self.bucket,
+                c.run_name,
+                c.run_name,
+                num_generations=t.num_generations,
+                shard_groups=c.experience.shard_groups,
+            )
         if c.eval.every_steps:
             from rl_cluster.data import load_prepared
             from rl_cluster.trainer.evaluation import EvalCallback, Evaluator
@@ -315,6 +359,8 @@ class Trainer:
             self.trainer.train(resume_from_checkpoint=checkpoint)
         finally:
             self._write_metrics()
+            if self._experience is not None:
+                self._experience.close(timeout=60.0)
         return self.report()
 
     def _group_counts(self) -> dict:
@@ -334,7 +380,15 @@ class Trainer:
             "train_wall_s": time.time() - self._train_start if self._train_start else 0.0,
             "groups": self._group_counts(),
             "resumed_from_step": self.resumed_from_step,
+            "experience": self._experience.stats() if self._experience is not None else None,
         }
+
+    def finish(self, summary: dict) -> None:
+        """The run's summary to W&B, and its W&B run closed (the driver calls this once it summarised)."""
+        if self._wandb is not None:
+            self._wandb.finish(summary)
+            if self._wandb.sync_dir and self.config.logging.wandb == "offline":
+                print(f"wandb offline run: upload it with `wandb sync {self._wandb.sync_dir}`", flush=True)
 
     def placement(self) -> dict:
         from rl_cluster.cluster import node_placement

@@ -52,6 +52,7 @@ class BucketSyncTrainer(AsyncGRPOTrainer):
         on_sync: Callable[[int, str, dict], None],
         admission: AdmissionWindow,
         first_version: int = 1,
+        on_sample: Callable[[object, int, bool], None] | None = None,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
@@ -79,12 +80,16 @@ class BucketSyncTrainer(AsyncGRPOTrainer):
         self.base_fingerprint = base_fingerprint
         self.keep_every = keep_every
         self.on_sync = on_sync
+        self.on_sample = on_sample
 
     def _on_pull(self, sample) -> None:
         self.position.add(TrainerPosition.PULLED)
         # The rule TRL's RolloutQueueDataset applies right after this pull, against the same version.
-        if self.model_version - sample.model_version > self.args.max_staleness:
+        stale = self.model_version - sample.model_version > self.args.max_staleness
+        if stale:
             self._dropped_groups.add(sample.group_id)
+        if self.on_sample is not None:
+            self.on_sample(sample, self.model_version, not stale)
 
     def get_train_dataloader(self):
         return without_lookahead(super().get_train_dataloader(), self.accelerator)

@@ -34,6 +34,7 @@ from pathlib import Path
 VENV_BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
 RAY_ADDRESS_FILE = Path("/tmp/ray/ray_current_cluster")
+METRICS_PORT = 8090  # every node's Ray metrics export (Prometheus text); each namespace has its own ports
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -138,6 +139,12 @@ class NamespaceCluster:
             return subprocess.Popen(self.driver_command(node, cmd), env={**self.env, **(env or {})}, stdout=out,
                                     stderr=subprocess.STDOUT, cwd=REPO)  # fmt: skip
 
+    def ray_metrics(self, node: str) -> str:
+        """`node`'s Ray metrics export page, as Prometheus scrapes it (from inside the node)."""
+        url = f"http://{self.addresses[node]}:{METRICS_PORT}/metrics"
+        code = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode())"
+        return self.run(node, ["python", "-c", code, url], timeout=60).stdout
+
     def ray_dir(self, node: str) -> Path:
         """What `node`'s Ray sees as /tmp/ray (its sessions, logs, unpacked working directories)."""
         return self.ray_root / node
@@ -146,7 +153,8 @@ class NamespaceCluster:
         head = self.head_address
         for node, resources in self.nodes.items():
             common = [f"--node-ip-address={self.addresses[node]}", f"--num-cpus={self.num_cpus}",
-                      f"--resources={json.dumps(resources)}", "--disable-usage-stats"]  # fmt: skip
+                      f"--resources={json.dumps(resources)}", "--disable-usage-stats",
+                      f"--metrics-export-port={METRICS_PORT}"]  # fmt: skip
             if node == self.head:
                 cmd = [
                     "ray",

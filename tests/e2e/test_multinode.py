@@ -12,12 +12,19 @@ from __future__ import annotations
 import json
 import re
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from cluster.hub import write_hub_cache
 from cluster.netns import NamespaceCluster
+from prometheus_client.parser import text_string_to_metric_families
+
+from rl_cluster.bucket import Bucket
+from rl_cluster.core.telemetry import all_metric_names
+from rl_cluster.experience import load_experience
 
 pytestmark = pytest.mark.vllm
 
@@ -130,6 +137,24 @@ def probe(cluster, node: str, url: str, key: str, paths: list[tuple[str, str]]) 
     return json.loads(out.strip().splitlines()[-1])
 
 
+# Not in the demo's export: it runs no held-out eval, and a Ray counter that never counted (no request
+# was retried) has no series.
+NOT_IN_THE_DEMO = {"ray_rl_trainer_eval", "ray_rl_proxy_retries_total"}
+
+
+def run_metrics(cluster: NamespaceCluster, run: str) -> dict[str, dict[str, float]]:
+    """Every rl_cluster sample of `run` in the nodes' Ray metrics exports: sample name -> node -> value
+    (summed over label sets)."""
+    found: dict[str, dict[str, float]] = {}
+    for node in cluster.nodes:
+        for family in text_string_to_metric_families(cluster.ray_metrics(node)):
+            for sample in family.samples:
+                if sample.name.startswith("ray_rl_") and sample.labels.get("run") == run:
+                    per_node = found.setdefault(sample.name, {})
+                    per_node[node] = per_node.get(node, 0.0) + sample.value
+    return found
+
+
 def replica_routes(cluster, url: str, key: str) -> list[tuple[str, str]]:
     """Every route the replica's OpenAPI schema lists, plus the dev-mode routes vLLM leaves out of it."""
     code = ("import sys, urllib.request; r = urllib.request.Request(sys.argv[1] + '/openapi.json', "
@@ -176,6 +201,20 @@ def test_ray_job_submit_across_four_nodes(cluster, hub_env, tmp_path):
         assert (anonymous, wrong) == (401, 401), route
     keys = [key for _, key in servers.values()]
 
+    # Ray's own metrics export, on each node: every rl_cluster metric of this run, from the actor there.
+    expected = all_metric_names() - NOT_IN_THE_DEMO
+    deadline = time.monotonic() + 180
+    while not expected <= set(found := run_metrics(cluster, run)) and time.monotonic() < deadline:
+        time.sleep(5)
+    assert expected <= set(found), sorted(expected - set(found))
+    assert set(found["ray_rl_trainer_step"]) == {"trainer"} and found["ray_rl_trainer_step"]["trainer"] >= 1
+    assert set(found["ray_rl_proxy_in_flight"]) == {"head"}
+    assert set(found["ray_rl_generator_up"]) == {"gen0", "gen1"}, found["ray_rl_generator_up"]
+    assert all(v == 1 for v in found["ray_rl_generator_up"].values())
+    assert found["ray_rl_generator_adapters_loaded"]["gen0"] >= 1
+    assert found["ray_rl_trainer_staleness_count"]["trainer"] >= 8  # every pulled sample observed
+    assert found["ray_rl_proxy_requests_total"]["head"] > 0
+
     # --- the run's end --------------------------------------------------------------------------------
     status = wait_terminal(cluster, "rlc-demo", 1500)
     logs = job_logs(cluster, "rlc-demo")
@@ -191,6 +230,31 @@ def test_ray_job_submit_across_four_nodes(cluster, hub_env, tmp_path):
     groups = summary["groups"]
     assert groups["trained"] == 60 * 4 and groups["failed"] == 0, groups
     assert 0 <= groups["generated"] - groups["trained"] - groups["dropped_stale"] <= 3 * 4, groups
+
+    # The experience store holds exactly the groups the summary counts, and agrees with metrics.jsonl.
+    rows = load_experience(Bucket(str(bucket)), run, cache_dir=tmp_path / "cache").to_list()
+    stored = {
+        fate: {(r["segment"], r["group_id"]) for r in rows if r["trained"] is fate} for fate in (True, False)
+    }
+    assert (len(stored[True]), len(stored[False])) == (groups["trained"], groups["dropped_stale"]), groups
+    assert summary["experience"]["groups"] == len(stored[True] | stored[False])
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained_rows = [r for r in rows if r["trained"]]
+    assert len(trained_rows) == 60 * 32  # completions_per_step of the demo
+    assert statistics.mean(r["reward"] for r in trained_rows) == pytest.approx(
+        statistics.mean(s["reward"] for s in steps), abs=1e-6
+    )
+    assert statistics.mean(r["staleness"] for r in trained_rows) == pytest.approx(
+        statistics.mean(s["staleness"] for s in steps), abs=1e-6
+    )
+    table = subprocess.run([sys.executable, "-m", "rl_cluster.experience", run, "--bucket", str(bucket),
+                            "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, cwd=REPO,
+                           timeout=120)  # fmt: skip
+    assert table.returncode == 0, table.stderr
+    total = table.stdout.strip().splitlines()[-1].split()
+    assert total[0] == "all" and int(total[3]) == groups["trained"], table.stdout
+    # The W&B run, offline beside the run's files.
+    assert [p.stat().st_size > 0 for p in run_dir.glob("wandb/offline-run-*/run-*.wandb")] == [True]
 
     # Placement: four different nodes used as meant.
     where = {actor: p["address"] for actor, p in summary["placement"].items()}
@@ -309,7 +373,7 @@ def test_a_killed_trainer_and_a_killed_driver_resume(cluster, hub_env, tmp_path)
     bucket, run = tmp_path / "bucket", "mn-resume"
     keep = [f"bucket.uri={bucket}", f"model.path={HUB_ID}", "trainer.checkpoint_every=4",
             "trainer.keep_checkpoints=20", "bucket.keep_every=1"]  # fmt: skip
-    submit(cluster, "rlc-res-a", hub_env, [f"run_name={run}", "trainer.max_steps=16", *keep])
+    submit(cluster, "rlc-res-a", hub_env, [f"run_name={run}", "trainer.max_steps=12", *keep])
     wait_for_log(cluster, "rlc-res-a", r"checkpoint step 8 published", 900)
     (trainer_pid,) = pids_running(cluster, "trainer", b"ray::Trainer")
     rollout_children = [p for p in cluster.pids()["trainer"] if parent_pid(p) == trainer_pid]
@@ -327,12 +391,12 @@ def test_a_killed_trainer_and_a_killed_driver_resume(cluster, hub_env, tmp_path)
         ckpt,
     )
     assert (
-        summary["steps"] == 16 and summary["groups"]["trained"] == 16 * 4 and summary["groups"]["failed"] == 0
+        summary["steps"] == 12 and summary["groups"]["trained"] == 12 * 4 and summary["groups"]["failed"] == 0
     )
     numbers = [int(name.rsplit("-v", 1)[1]) for name in summary["versions_published"]]
     # The record up to the checkpoint, then versions after the highest ever published (the ones published
     # between the checkpoint and the kill belong to training that was thrown away).
-    assert numbers == [*range(1, ckpt + 2), *range(highest + 1, highest + 2 + 16 - ckpt)], numbers
+    assert numbers == [*range(1, ckpt + 2), *range(highest + 1, highest + 2 + 12 - ckpt)], numbers
     first_after = f"{run}-v{highest + 1}"
     # The restarted trainer starts from the checkpoint's policy, not from the base model.
     restored = adapter_tensors(bucket / run / "adapters" / first_after)
@@ -342,9 +406,9 @@ def test_a_killed_trainer_and_a_killed_driver_resume(cluster, hub_env, tmp_path)
     # No orphan: the killed trainer's rollout child went with it.
     assert not [p for p in rollout_children if alive(p)], rollout_children
 
-    # (b) continue the finished run to 28 steps; kill that job's driver midway.
-    submit(cluster, "rlc-res-b", hub_env, ["--resume", run, "trainer.max_steps=28", *keep])
-    wait_for_log(cluster, "rlc-res-b", r"checkpoint step 20 published", 900)
+    # (b) continue the finished run to 20 steps; kill that job's driver midway.
+    submit(cluster, "rlc-res-b", hub_env, ["--resume", run, "trainer.max_steps=20", *keep])
+    wait_for_log(cluster, "rlc-res-b", r"checkpoint step 16 published", 900)
     drivers = pids_running(cluster, "head", b"--resume " + run.encode())  # the entrypoint (and its shell)
     assert drivers
     cluster.run("head", ["kill", "-9", *map(str, drivers)])
@@ -354,12 +418,12 @@ def test_a_killed_trainer_and_a_killed_driver_resume(cluster, hub_env, tmp_path)
         time.sleep(1)
     assert not cluster.vllm_pids(), "a vLLM server outlived its killed driver"
 
-    submit(cluster, "rlc-res-c", hub_env, ["--resume", run, "trainer.max_steps=28", *keep])
+    submit(cluster, "rlc-res-c", hub_env, ["--resume", run, "trainer.max_steps=20", *keep])
     assert wait_terminal(cluster, "rlc-res-c", 900) == "SUCCEEDED", job_logs(cluster, "rlc-res-c")[-6000:]
     summary = json.loads((bucket / run / "summary.json").read_text())
-    assert summary["status"] == "finished" and summary["resumed_from_step"] >= 20
+    assert summary["status"] == "finished" and summary["resumed_from_step"] >= 16
     steps = [json.loads(line)["step"] for line in (bucket / run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 29))  # the whole history, each step once
+    assert steps == list(range(1, 21))  # the whole history, each step once
     # Every version ever published is unique, and numbering only went up across the three jobs.
     versions = sorted(int(p.name.rsplit("-v", 1)[1]) for p in (bucket / run / "adapters").iterdir())
     assert versions == list(range(1, versions[-1] + 1))

@@ -29,6 +29,7 @@ SECTIONS = {
     "## 4. Scaling": 2,
     "## 5. Asynchronous vs synchronous GRPO": 2,
     "## 6. Proxy capacity": 2,  # ours and the pass-through (and vllm-router when installed)
+    "## 7. Experience store overhead": 2,  # on and off
 }
 LABEL_COLUMNS = {"## 2. Proxy overhead": 2}  # path and load
 NUMBER = re.compile(r"[-+]?\d+(\.\d+)?")
@@ -205,3 +206,14 @@ def test_async_vs_sync_is_consistent(bench_run):
         f"Speedup of asynchronous over synchronous: {s['measured']:.2f}x measured; ideal {s['ideal']:.2f}x"
         in text
     )
+
+
+def test_the_experience_store_costs_are_measured_side_by_side(bench_run):
+    text, results, _ = bench_run
+    x = results["experience"]
+    assert [r["setting"] for r in x["rows"]] == ["store on", "store off"]
+    assert (x["config"]["steps"], x["config"]["reps"]) == (QUICK.train_steps, QUICK.train_reps)
+    assert 0.2 < x["step_time_ratio"] < 5
+    # Every trained sample was written (32 a step; more with those dropped or pulled after the last step).
+    assert x["rows_per_step"] >= 32 and x["bytes_per_step"] > 0 and x["lost_rows"] == 0, x
+    assert f"**{x['step_time_ratio']:.3f}×**" in text

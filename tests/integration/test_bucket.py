@@ -548,3 +548,57 @@ def test_checkpoint_source_must_be_a_flat_trainer_checkpoint(fs_bucket, tmp_path
         publish_checkpoint(fs_bucket, -1, make_checkpoint(tmp_path / "ok", 1))
     assert fs_bucket.list_checkpoints(RUN) == []
     assert not (Path(fs_bucket.run_uri(RUN)) / "checkpoints").exists()
+
+
+# -------------------------------------------------------------------- experience shards
+
+
+def shard_parquet(tmp_path: Path, group_id: int) -> Path:
+    """A one-row experience shard file (rl_cluster.core.experience has the columns)."""
+    import pyarrow.parquet as pq
+
+    from rl_cluster.experience import rows_table
+
+    row = {"segment": "seg1", "group_id": group_id, "model_version": 1, "adapter": "run1-v1", "trainer_version": 1,
+           "staleness": 0, "trained": True, "prompt_ids": [1, 2], "completion_ids": [3, 70000], "completion_mask": [1, 1],
+           "logprobs": [-0.25, -1.5], "reward": 1.0, "rewards": {"accuracy": 1.0}, "advantage": 0.5,
+           "enqueued_at": None, "pulled_at": 2.0}  # fmt: skip
+    path = tmp_path / f"any-name-{group_id}.parquet"
+    pq.write_table(rows_table([row]), path)
+    return path
+
+
+def test_experience_shards_commit_list_and_read_back_verified(bucket, tmp_path):
+    from rl_cluster.experience import load_experience
+
+    for seq in range(3):
+        uri = bucket.publish_experience_shard(
+            RUN, seq, "seg1", shard_parquet(tmp_path, seq), rows=1, groups=1
+        )
+        assert uri == bucket.experience_shard_uri(RUN, seq, "seg1")
+    bucket.publish_experience_shard(RUN, 0, "seg0", shard_parquet(tmp_path, 9), rows=1, groups=1)
+    assert bucket.list_experience_shards(RUN) == [(0, "seg0"), (0, "seg1"), (1, "seg1"), (2, "seg1")]
+    ds = load_experience(bucket, RUN, cache_dir=tmp_path / "cache")
+    assert ds["group_id"] == [9, 0, 1, 2]
+    assert ds[0]["completion_ids"] == [3, 70000] and ds[0]["rewards"] == {"accuracy": 1.0}
+    with pytest.raises(FileExistsError, match="never reused"):
+        bucket.publish_experience_shard(RUN, 0, "seg0", shard_parquet(tmp_path, 9), rows=1, groups=1)
+
+
+def test_experience_shard_is_visible_only_with_its_manifest_and_only_as_published(bucket, tmp_path):
+    from rl_cluster.experience import load_experience
+
+    first, second = (
+        bucket.publish_experience_shard(RUN, seq, "seg1", shard_parquet(tmp_path, seq), rows=1, groups=1)
+        for seq in range(2)
+    )
+    put(bucket, first, "manifest.json", None)  # as if the writer died before its last write
+    assert bucket.list_experience_shards(RUN) == [(1, "seg1")]
+    with pytest.raises(AdapterNotFound):
+        bucket.fetch_experience_shard(first, cache_dir=tmp_path / "cache")
+    data = bucket.store.read(f"{RUN}/experience/shard-000001-seg1/rows.parquet")
+    put(bucket, second, "rows.parquet", flipped(data))
+    with pytest.raises(AdapterRejected, match=r"^rows\.parquet: sha256 \w+… != manifest \w+… \(corrupted"):
+        load_experience(bucket, RUN, cache_dir=tmp_path / "cache")
+    with pytest.raises(AdapterRejected, match="not a shard directory"):
+        bucket.fetch_experience_shard(bucket.adapter_uri(RUN, "run1", 1), cache_dir=tmp_path / "cache")

@@ -1,5 +1,8 @@
 """A replica whose vLLM server dies is restarted in place and caught up, and a sync meanwhile goes on
-without it: real Ray actors, real vLLM CPU servers, the run's keys, a directory bucket."""
+without it; then, on the same cluster, generation capacity shrinks and grows under the live proxy: a
+generator that leaves drains first, and one that joins is caught up (every live adapter version loaded)
+before it takes traffic. Real Ray actors, real vLLM CPU servers, the run's keys, a directory bucket (one
+cluster for both: each start of a pair of vLLM CPU servers costs about a minute here)."""
 
 from __future__ import annotations
 
@@ -26,7 +29,9 @@ async def wait_for(what, predicate, timeout_s: float):
     return value
 
 
-async def test_a_killed_server_is_restarted_caught_up_and_serves_again(marked_ray, tiny_model_dir, tmp_path):
+async def test_a_killed_server_comes_back_caught_up_and_the_pool_shrinks_and_grows(
+    marked_ray, tiny_model_dir, tmp_path
+):
     run = "restart-test"
     config = tiny_run_config(run, tiny_model_dir, tmp_path)
     config.generator.replicas = 2
@@ -76,6 +81,19 @@ async def test_a_killed_server_is_restarted_caught_up_and_serves_again(marked_ra
                     served.add(r.headers["X-Proxy-Replica"])
             assert served == {"g0", "g1"}, served
             print(f"\ncrash -> serving again: {back_after:.0f} s")
+
+            # Shrink: g1 leaves, drained; v2 keeps being served, by g0.
+            await cluster.remove_generator("g1")
+            assert set(await replicas()) == {"g0"}
+            # Grow: the newcomer holds every live version before it is active.
+            assert await cluster.add_generators(1) == ["g2"]
+            g2 = (await replicas())["g2"]
+            assert g2["state"] == "active" and {f"{run}-v1", f"{run}-v2"} <= set(g2["adapters_loaded"]), g2
+            await cluster.remove_generator("g0")
+            request = {"model": f"{run}-v2", "prompt": "1+2=", "max_tokens": 4}
+            async with http.post(f"{cluster.proxy_url}/v1/completions", json=request) as r:
+                assert r.status == 200, await r.text()
+                assert r.headers["X-Proxy-Replica"] == "g2"
     finally:
         await cluster.shutdown()
     assert not wait_until_no_vllm_with(marked_ray)

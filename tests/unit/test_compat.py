@@ -121,9 +121,13 @@ def test_trl_attention_needs_the_varlen_workaround(monkeypatch):
     torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
 
 
+# Trainers are built, never trained: their output directories stay empty, and all go with this one.
+_OUTPUT_ROOT = tempfile.TemporaryDirectory(prefix="rl_cluster-test-compat-")
+
+
 def grpo_args(**overrides) -> AsyncGRPOConfig:
     return AsyncGRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="rl_cluster-test-compat-"), report_to="none",
+        output_dir=tempfile.mkdtemp(dir=_OUTPUT_ROOT.name), report_to="none",
         vllm_server_base_url="http://127.0.0.1:9",  # never contacted: the trainer is built, not trained
         per_device_train_batch_size=8, num_generations=4, max_steps=1, **overrides,
     )  # fmt: skip

@@ -1,0 +1,94 @@
+"""`python -m rl_cluster.experience RUN [--bucket URI]`: a run's stored experience, per adapter version.
+
+With `--replay VERSION --model DIR [--adapter-dir DIR]`, the groups sampled under that version are
+rescored under the base model (plus the adapter): per group, the mean |new - stored| logprob of the
+trained tokens, the mean importance ratio, and the GRPO policy loss they would give. Arguments are parsed
+before any heavy import, so `--help` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+TABLE_COLUMNS = [
+    "segment",
+    "group_id",
+    "model_version",
+    "adapter",
+    "trained",
+    "reward",
+    "completion_ids",
+    "staleness",
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m rl_cluster.experience", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("run", help="the run's name (its directory in the bucket)")
+    parser.add_argument(
+        "--bucket", default="bucket", help="directory or s3://bucket/prefix (default: bucket)"
+    )
+    parser.add_argument("--s3-endpoint-url", default=None, help="S3-compatible endpoint (for s3:// buckets)")
+    parser.add_argument("--cache-dir", default=".cache/bucket", help="where s3 shards are downloaded to")
+    replay = parser.add_argument_group("replay")
+    replay.add_argument("--replay", type=int, metavar="VERSION", help="rescore the groups of this version")
+    replay.add_argument("--model", help="base model directory (or hub id) to rescore with")
+    replay.add_argument(
+        "--adapter-dir", help="PEFT adapter directory to apply (default: the base model alone)"
+    )
+    replay.add_argument("--max-groups", type=int, default=8, help="groups of that version to rescore")
+    replay.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass")
+    args = parser.parse_args(argv)
+    if args.replay is not None and not args.model:
+        parser.error("--replay needs --model")
+
+    from rl_cluster.bucket import Bucket
+    from rl_cluster.core.experience import format_version_table, total_row, version_table
+    from rl_cluster.errors import AdapterError
+    from rl_cluster.experience import load_experience
+
+    bucket = Bucket(args.bucket, args.s3_endpoint_url)
+    try:
+        dataset = load_experience(bucket, args.run, cache_dir=args.cache_dir)
+    except (FileNotFoundError, AdapterError) as e:  # no shard yet; a shard that is not what was written
+        print(e, file=sys.stderr)
+        return 1
+    if args.replay is None:
+        rows = dataset.select_columns(TABLE_COLUMNS).to_list()
+        print(format_version_table(version_table(rows), total_row(rows)))
+        return 0
+    return _replay(dataset, args)
+
+
+def _replay(dataset, args) -> int:
+    from rl_cluster.core.experience import replay_stats
+    from rl_cluster.experience.replay import load_policy, rescore
+
+    rows = dataset.filter(lambda v: v == args.replay, input_columns="model_version").to_list()
+    keep = set(list(dict.fromkeys((r["segment"], r["group_id"]) for r in rows))[: args.max_groups])
+    rows = [r for r in rows if (r["segment"], r["group_id"]) in keep]
+    if not rows:
+        print(f"no stored samples of version {args.replay}", file=sys.stderr)
+        return 1
+    model = load_policy(args.model, args.adapter_dir)
+    per_group, total = replay_stats(rows, rescore(model, rows, batch_size=args.batch_size))
+    policy = args.adapter_dir or f"{args.model} (no adapter)"
+    print(
+        f"replay of {rows[0]['adapter']}: {total['groups']} groups, {total['samples']} samples rescored under {policy}"
+    )
+    print(
+        f"{'segment':<12}  {'group':>6}  {'samples':>7}  {'tokens':>6}  {'|dlogp|':>9}  {'ratio':>8}  {'loss':>9}"
+    )
+    for g in [*per_group, {"segment": "all", "group_id": "-", **total}]:
+        print(
+            f"{g['segment']:<12}  {g['group_id']:>6}  {g['samples']:>7}  {g['tokens']:>6}  "
+            f"{g['logprob_gap_mean']:>9.5f}  {g['ratio_mean']:>8.4f}  {g['loss']:>9.5f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
