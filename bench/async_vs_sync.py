@@ -133,11 +133,42 @@ def reward_by(curve: list[tuple[float, float]], t: float) -> float:
     return sum(done[-k:]) / k if done else float("nan")
 
 
-async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
-    import ray
-
+async def start_proxy(servers, proxy_config, model_dir, work):
+    """Our ProxyActor in front of the benchmark's servers, each registered with a control that fetches and
+    verifies versions from `work`/bucket as GeneratorActor does. Returns (actor, URL)."""
     from rl_cluster.proxy.actor import ProxyActor
 
+    bucket = Bucket(str(work / "bucket"))
+    fingerprint = model_fingerprint(model_dir)
+    proxy = ProxyActor.options(num_cpus=0).remote(proxy_config)
+    proxy_url = await proxy.start.remote()
+    for i, server in enumerate(servers):
+        control = VerifyingControl(bucket, server.url, work / f"cache-r{i}", fingerprint)
+        await proxy.add_replica.remote(f"r{i}", server.url, control)
+    return proxy, proxy_url
+
+
+async def train_side_by_side(servers, model_dir, work, configs: dict, reps: int, record) -> None:
+    """On a Ray of our own and one proxy in front of `servers`: train each config once per repetition,
+    the order rotating between repetitions; `record(label, config, result)` gets each run's result.
+    Each run publishes its own names, freed afterwards."""
+    import ray
+
+    labels = list(configs)
+    start_ray()
+    try:
+        proxy, proxy_url = await start_proxy(servers, configs[labels[0]].proxy, model_dir, work)
+        for rep in range(reps):
+            for label in labels[rep % 2 :] + labels[: rep % 2]:
+                config = configs[label].model_copy(update={"run_name": f"{configs[label].run_name}-{rep}"})
+                record(label, config, await train_once(config, proxy, proxy_url))
+                await unload_all(proxy, proxy_url)
+        await proxy.stop.remote()
+    finally:
+        ray.shutdown()
+
+
+async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
     work = log_dir / "async_vs_sync"
     stamp = time.strftime("%Y%m%d-%H%M%S")
     common = [
@@ -152,28 +183,13 @@ async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
         )
         for mode, trainer_mode in MODES.items()
     }
-    bucket = Bucket(str(work / "bucket"))
-    fingerprint = model_fingerprint(model_dir)
     results: dict[str, list[dict]] = {mode: [] for mode in MODES}
-    start_ray()
-    try:
-        proxy = ProxyActor.options(num_cpus=0).remote(configs["synchronous"].proxy)
-        proxy_url = await proxy.start.remote()
-        for i, server in enumerate(servers):
-            control = VerifyingControl(bucket, server.url, work / f"cache-r{i}", fingerprint)
-            await proxy.add_replica.remote(f"r{i}", server.url, control)
-        modes = list(MODES)
-        for rep in range(plan.train_reps):
-            for mode in modes[rep % 2 :] + modes[: rep % 2]:
-                config = configs[mode].model_copy(update={"run_name": f"{configs[mode].run_name}-{rep}"})
-                result = await train_once(config, proxy, proxy_url)
-                results[mode].append(measures(result, config.trainer.completions_per_step))
-                label = mode_label(mode, config)
-                print(f"  {label}: {results[mode][-1]['mean_step_s']:.2f} s/step", flush=True)
-                await unload_all(proxy, proxy_url)
-        await proxy.stop.remote()
-    finally:
-        ray.shutdown()
+
+    def record(mode: str, config, result: dict) -> None:
+        results[mode].append(measures(result, config.trainer.completions_per_step))
+        print(f"  {mode_label(mode, config)}: {results[mode][-1]['mean_step_s']:.2f} s/step", flush=True)
+
+    await train_side_by_side(servers, model_dir, work, configs, plan.train_reps, record)
     return summarize(results, configs)
 
 

@@ -7,20 +7,13 @@ from __future__ import annotations
 
 import time
 
-from bench.async_vs_sync import DEMO_CONFIG, measures, start_ray, train_once, unload_all
-from bench.handoff import VerifyingControl
-from rl_cluster.bucket import Bucket
+from bench.async_vs_sync import DEMO_CONFIG, measures, train_side_by_side
 from rl_cluster.config import load_config
-from rl_cluster.models import model_fingerprint
 
 SETTINGS = {"store on": "true", "store off": "false"}  # experience.enabled
 
 
 async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
-    import ray
-
-    from rl_cluster.proxy.actor import ProxyActor
-
     stamp = time.strftime("%Y%m%d-%H%M%S")
     common = [f"trainer.max_steps={plan.train_steps}", f"bucket.uri={log_dir / 'bucket'}",
               f"bucket.cache_dir={log_dir / 'cache'}", "generator.max_loras=6", "logging.wandb=off"]  # fmt: skip
@@ -30,30 +23,16 @@ async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
         )
         for i, (label, on) in enumerate(SETTINGS.items())
     }
-    bucket = Bucket(str(log_dir / "bucket"))
-    fingerprint = model_fingerprint(model_dir)
     results: dict[str, list[dict]] = {label: [] for label in SETTINGS}
     written: list[dict] = []
-    start_ray()
-    try:
-        proxy = ProxyActor.options(num_cpus=0).remote(configs["store off"].proxy)
-        proxy_url = await proxy.start.remote()
-        for i, server in enumerate(servers):
-            control = VerifyingControl(bucket, server.url, log_dir / f"cache-r{i}", fingerprint)
-            await proxy.add_replica.remote(f"r{i}", server.url, control)
-        labels = list(SETTINGS)
-        for rep in range(plan.train_reps):
-            for label in labels[rep % 2 :] + labels[: rep % 2]:
-                config = configs[label].model_copy(update={"run_name": f"{configs[label].run_name}-{rep}"})
-                result = await train_once(config, proxy, proxy_url)
-                results[label].append(measures(result, config.trainer.completions_per_step))
-                if result.get("experience"):
-                    written.append({**result["experience"], "steps": len(result["history"])})
-                print(f"  {label}: {results[label][-1]['mean_step_s']:.3f} s/step", flush=True)
-                await unload_all(proxy, proxy_url)
-        await proxy.stop.remote()
-    finally:
-        ray.shutdown()
+
+    def record(label: str, config, result: dict) -> None:
+        results[label].append(measures(result, config.trainer.completions_per_step))
+        if result.get("experience"):
+            written.append({**result["experience"], "steps": len(result["history"])})
+        print(f"  {label}: {results[label][-1]['mean_step_s']:.3f} s/step", flush=True)
+
+    await train_side_by_side(servers, model_dir, log_dir, configs, plan.train_reps, record)
     return summarize(results, written, configs["store on"])
 
 
@@ -72,6 +51,7 @@ def summarize(results: dict[str, list[dict]], written: list[dict], config) -> di
             for label, rs in results.items()
         ],  # fmt: skip
         "step_time_ratio": paired_ratio([r["mean_step_s"] for r in on], [r["mean_step_s"] for r in off]),
+        "step_time_ratios": [a["mean_step_s"] / b["mean_step_s"] for a, b in zip(on, off, strict=True)],
         "bytes_per_step": step_bytes,
         "rows_per_step": median([w["rows"] / w["steps"] for w in written]),
         "bytes_per_group": median([w["bytes"] / max(w["groups"], 1) for w in written]),

@@ -90,6 +90,8 @@ class Trainer:
 
     # -- reporting -------------------------------------------------------------------------------------
     def _on_step(self, step: int, logs: dict) -> None:
+        if self.history and step <= self.history[-1]["step"]:
+            return  # a trainer restored at its last step logs that step once more: the record has it
         record = step_record(step, logs, self.trainer.model_version, self.last_sync.get("handoff_s"))
         self.history.append(record)
         print(progress_line(record, self.config.trainer.max_steps), flush=True)

@@ -373,7 +373,7 @@ def test_a_killed_trainer_and_a_killed_driver_resume(cluster, hub_env, tmp_path)
     bucket, run = tmp_path / "bucket", "mn-resume"
     keep = [f"bucket.uri={bucket}", f"model.path={HUB_ID}", "trainer.checkpoint_every=4",
             "trainer.keep_checkpoints=20", "bucket.keep_every=1"]  # fmt: skip
-    submit(cluster, "rlc-res-a", hub_env, [f"run_name={run}", "trainer.max_steps=12", *keep])
+    submit(cluster, "rlc-res-a", hub_env, [f"run_name={run}", "trainer.max_steps=16", *keep])
     wait_for_log(cluster, "rlc-res-a", r"checkpoint step 8 published", 900)
     (trainer_pid,) = pids_running(cluster, "trainer", b"ray::Trainer")
     rollout_children = [p for p in cluster.pids()["trainer"] if parent_pid(p) == trainer_pid]
@@ -391,12 +391,12 @@ def test_a_killed_trainer_and_a_killed_driver_resume(cluster, hub_env, tmp_path)
         ckpt,
     )
     assert (
-        summary["steps"] == 12 and summary["groups"]["trained"] == 12 * 4 and summary["groups"]["failed"] == 0
+        summary["steps"] == 16 and summary["groups"]["trained"] == 16 * 4 and summary["groups"]["failed"] == 0
     )
     numbers = [int(name.rsplit("-v", 1)[1]) for name in summary["versions_published"]]
     # The record up to the checkpoint, then versions after the highest ever published (the ones published
     # between the checkpoint and the kill belong to training that was thrown away).
-    assert numbers == [*range(1, ckpt + 2), *range(highest + 1, highest + 2 + 12 - ckpt)], numbers
+    assert numbers == [*range(1, ckpt + 2), *range(highest + 1, highest + 2 + 16 - ckpt)], numbers
     first_after = f"{run}-v{highest + 1}"
     # The restarted trainer starts from the checkpoint's policy, not from the base model.
     restored = adapter_tensors(bucket / run / "adapters" / first_after)
@@ -406,9 +406,9 @@ def test_a_killed_trainer_and_a_killed_driver_resume(cluster, hub_env, tmp_path)
     # No orphan: the killed trainer's rollout child went with it.
     assert not [p for p in rollout_children if alive(p)], rollout_children
 
-    # (b) continue the finished run to 20 steps; kill that job's driver midway.
-    submit(cluster, "rlc-res-b", hub_env, ["--resume", run, "trainer.max_steps=20", *keep])
-    wait_for_log(cluster, "rlc-res-b", r"checkpoint step 16 published", 900)
+    # (b) continue the finished run to 28 steps; kill that job's driver midway.
+    submit(cluster, "rlc-res-b", hub_env, ["--resume", run, "trainer.max_steps=28", *keep])
+    wait_for_log(cluster, "rlc-res-b", r"checkpoint step 20 published", 900)
     drivers = pids_running(cluster, "head", b"--resume " + run.encode())  # the entrypoint (and its shell)
     assert drivers
     cluster.run("head", ["kill", "-9", *map(str, drivers)])
@@ -418,12 +418,12 @@ def test_a_killed_trainer_and_a_killed_driver_resume(cluster, hub_env, tmp_path)
         time.sleep(1)
     assert not cluster.vllm_pids(), "a vLLM server outlived its killed driver"
 
-    submit(cluster, "rlc-res-c", hub_env, ["--resume", run, "trainer.max_steps=20", *keep])
+    submit(cluster, "rlc-res-c", hub_env, ["--resume", run, "trainer.max_steps=28", *keep])
     assert wait_terminal(cluster, "rlc-res-c", 900) == "SUCCEEDED", job_logs(cluster, "rlc-res-c")[-6000:]
     summary = json.loads((bucket / run / "summary.json").read_text())
-    assert summary["status"] == "finished" and summary["resumed_from_step"] >= 16
+    assert summary["status"] == "finished" and summary["resumed_from_step"] >= 20
     steps = [json.loads(line)["step"] for line in (bucket / run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 21))  # the whole history, each step once
+    assert steps == list(range(1, 29))  # the whole history, each step once
     # Every version ever published is unique, and numbering only went up across the three jobs.
     versions = sorted(int(p.name.rsplit("-v", 1)[1]) for p in (bucket / run / "adapters").iterdir())
     assert versions == list(range(1, versions[-1] + 1))
