@@ -49,6 +49,7 @@ from rl_cluster.core.manifest import (
     check_file_entries,
     load_json,
 )
+from rl_cluster.core.summary import finite_mean
 from rl_cluster.errors import AdapterRejected
 
 EXPERIENCE = "experience"  # the manifest's `kind`
@@ -221,11 +222,6 @@ def validate_shard_manifest(manifest: Any, where: str = "manifest.json") -> None
 # -------------------------------------------------------------------- summaries
 
 
-def _mean(values: Iterable[float]) -> float | None:
-    kept = [v for v in values if v is not None and not math.isnan(v)]
-    return sum(kept) / len(kept) if kept else None
-
-
 def _summary(rows: list[Mapping[str, Any]]) -> dict[str, Any]:
     groups = {(r["segment"], r["group_id"]) for r in rows}
     return {
@@ -235,9 +231,9 @@ def _summary(rows: list[Mapping[str, Any]]) -> dict[str, Any]:
         # counts in both columns (as the trainer's own counts do).
         "trained_groups": len({(r["segment"], r["group_id"]) for r in rows if r["trained"]}),
         "dropped_groups": len({(r["segment"], r["group_id"]) for r in rows if not r["trained"]}),
-        "reward_mean": _mean(r["reward"] for r in rows),
-        "completion_len_mean": _mean(len(r["completion_ids"]) for r in rows),
-        "staleness_mean": _mean(r["staleness"] for r in rows),
+        "reward_mean": finite_mean(r["reward"] for r in rows),
+        "completion_len_mean": finite_mean(len(r["completion_ids"]) for r in rows),
+        "staleness_mean": finite_mean(r["staleness"] for r in rows),
     }
 
 

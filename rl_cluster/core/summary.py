@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterable
 
 from rl_cluster.core.evaluation import eval_summary
 
@@ -47,7 +48,8 @@ def progress_line(record: dict, max_steps: int) -> str:
     )
 
 
-def _mean(values: list[float]) -> float | None:
+def finite_mean(values: Iterable[float | None]) -> float | None:
+    """Mean of the values that are numbers (None and NaN left out); None when none is."""
     values = [v for v in values if v is not None and not math.isnan(v)]
     return sum(values) / len(values) if values else None
 
@@ -55,7 +57,7 @@ def _mean(values: list[float]) -> float | None:
 def fifths(values: list[float]) -> tuple[float | None, float | None]:
     """Mean of the first and of the last fifth (at least one value each)."""
     k = max(1, len(values) // 5)
-    return _mean(values[:k]), _mean(values[-k:])
+    return finite_mean(values[:k]), finite_mean(values[-k:])
 
 
 def summarize(
@@ -90,7 +92,7 @@ def summarize(
         "handoff_s_max": max(handoffs) if handoffs else None,
         "dropped_stale_samples": int(sum(r["dropped_stale"] for r in history)),
         "groups": trainer_result.get("groups", {}),
-        "mean_staleness": _mean([r["staleness"] for r in history]),
+        "mean_staleness": finite_mean([r["staleness"] for r in history]),
         "routing": proxy_stats.get("routing", {}),
         "checkpoints": trainer_result.get("checkpoints", []),
         "placement": placement or {},
