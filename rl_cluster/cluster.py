@@ -126,6 +126,8 @@ class Cluster:
     pool: object | None = None  # the run's pool controller (rl_cluster.pool), once it runs
     _next_index: int = 0
     _slots: dict[str, int] = field(default_factory=dict)
+    _starting: set[str] = field(default_factory=set)  # generators whose start() is under way
+    _restarts_seen: dict[str, int] = field(default_factory=dict)  # each one's restarts when last asked
 
     async def add_generators(self, count: int) -> list[str]:
         """Grow generation capacity, also during training: each new generator starts its vLLM server and
@@ -141,10 +143,58 @@ class Cluster:
             self.generators[replica_id] = generator_actor(self, replica_id)
             new.append((replica_id, slot, self.generators[replica_id]))
         self._next_index += count
-        await asyncio.gather(*(actor.start.remote(slot, self.proxy) for _, slot, actor in new))
-        for replica_id, _, actor in new:
-            self.placement[f"generator {replica_id}"] = await actor.placement.remote()
+        self._starting.update(replica_id for replica_id, _, _ in new)
+        try:
+            await asyncio.gather(*(actor.start.remote(slot, self.proxy) for _, slot, actor in new))
+            for replica_id, _, actor in new:
+                self.placement[f"generator {replica_id}"] = await actor.placement.remote()
+        finally:
+            self._starting.difference_update(replica_id for replica_id, _, _ in new)
         return [replica_id for replica_id, _, _ in new]
+
+    async def restarted_generators(self, timeout_s: float = 60.0, spent: list | None = None) -> list[str]:
+        """Generators whose actor died and was restarted by Ray (a fresh actor, nothing started: see
+        `revive`). One that Ray will not restart again leaves the pool and the proxy. `spent` collects
+        the ones whose server's restart budget ran out (they stay down until replaced)."""
+        found = []
+        for replica_id, actor in list(self.generators.items()):
+            if replica_id in self._starting:
+                continue
+            try:
+                # Retried while Ray restarts the actor; ActorDiedError once it will not come back.
+                call = actor.condition.options(max_task_retries=-1).remote()
+                condition = await asyncio.wait_for(call, timeout_s)
+            except ray.exceptions.ActorDiedError as e:
+                print(f"replica {replica_id}: its generator actor is gone for good, it leaves the pool: {e}",
+                      flush=True)  # fmt: skip
+                self.generators.pop(replica_id, None)
+                with contextlib.suppress(Exception):
+                    await self.proxy.remove_replica.remote(replica_id, 0.0)
+                continue
+            except (TimeoutError, ray.exceptions.RayActorError):
+                continue  # still restarting: the next round sees it
+            if not condition["started"]:
+                found.append(replica_id)
+                continue
+            self._restarts_seen[replica_id] = condition["restarts"]
+            if condition["spent"] and spent is not None:
+                spent.append(replica_id)
+        return found
+
+    async def revive(self, replica_id: str) -> None:
+        """Start a restarted generator actor's vLLM server again; it registers with the proxy anew (which
+        replaces the dead server's entry and loads every live version before routing to it)."""
+        actor = self.generators[replica_id]
+        earlier = self._restarts_seen.get(replica_id, 0) + 1  # the actor's death is one more restart
+        print(f"replica {replica_id}: its generator actor died and Ray restarted it; starting vLLM again",
+              flush=True)  # fmt: skip
+        self._starting.add(replica_id)
+        try:
+            await actor.start.remote(self._slots[replica_id], self.proxy, earlier_restarts=earlier)
+            self.placement[f"generator {replica_id}"] = await actor.placement.remote()
+        finally:
+            self._starting.discard(replica_id)
+        print(f"replica {replica_id}: serving again after its actor's restart", flush=True)
 
     async def remove_generator(self, replica_id: str) -> None:
         """Shrink: the generator leaves the proxy (no new requests; in-flight ones finish), then stops."""
@@ -194,6 +244,9 @@ def generator_actor(cluster: Cluster, replica_id: str):
     config = cluster.config
     return GeneratorActor.options(
         name=f"{config.run_name}-generator-{replica_id}",
+        # A generator actor that dies (its process crashed, its node went) is restarted by Ray, and the
+        # pool controller starts its server again (Cluster.revive); calls in flight then fail, not repeat.
+        max_restarts=config.generator.max_restarts,
         num_cpus=0,
         num_gpus=config.generator.num_gpus,
         resources={"generator": 1},

@@ -180,7 +180,8 @@ class GeneratorConfig(Section):
     """Seconds a vLLM server may take to answer /health before the run fails."""
     max_restarts: int = Field(3, ge=0)
     """Times a replica's vLLM server is restarted in place after it died (or stopped answering /health)
-    during a run; after that the replica stays out of routing and the others carry on."""
+    during a run, and separately the times Ray restarts its generator actor after that died; after that
+    the replica stays out of routing and the others carry on."""
     restart_backoff_s: float = Field(2.0, gt=0)
     """Wait before the first restart of a replica; doubled for each further one (at most 60 s)."""
     extra_args: list[str] = []

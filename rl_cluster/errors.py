@@ -13,5 +13,10 @@ class AdapterRejected(AdapterError):
     """The version is visible but is not what was published, or does not fit the replica. Not retryable."""
 
 
+class ReplicaDown(AdapterError):
+    """The replica has no server to load into: its actor died, or Ray restarted it and it has not started
+    its server again yet. A broadcast leaves it out (it catches up when it is back)."""
+
+
 class BucketUnavailable(Exception):
     """The bucket could not be reached after bounded retries."""

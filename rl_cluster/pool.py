@@ -81,6 +81,7 @@ class PoolController:
         self._growing = asyncio.Lock()  # one add at a time: the actors it creates are then known
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.Task | None = None
+        self._watch: asyncio.Task | None = None  # the current look for restarted generators
 
     # -- the actor's interface ----------------------------------------------------------------------
 
@@ -125,8 +126,9 @@ class PoolController:
     async def stop(self) -> tuple[dict, dict]:
         """Stop deciding; give up generators still waiting to start (pending actors would keep the
         autoscaler adding nodes); return members() for the driver's shutdown."""
-        if self._loop is not None:
-            self._loop.cancel()
+        for task in (self._loop, self._watch):
+            if task is not None:
+                task.cancel()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -136,11 +138,46 @@ class PoolController:
 
     async def _run(self) -> None:
         while True:
+            if self._watch is None or self._watch.done():
+                self._watch = asyncio.get_running_loop().create_task(self._revive_restarted())
             try:
                 await self.step()
             except Exception:
                 logger.exception("pool controller step failed")
             await asyncio.sleep(self.g.scale_interval_s)
+
+    async def _revive_restarted(self) -> None:
+        """Generators whose actor Ray restarted after it died start serving again (each in its own task:
+        a vLLM start takes a while and the pool keeps deciding meanwhile)."""
+        spent: list[str] = []
+        try:
+            for rid in await self.cluster.restarted_generators(spent=spent):
+                self._spawn(self._revive(rid))
+        except Exception:
+            logger.exception("looking for restarted generators failed")
+        for rid in spent:
+            if rid not in self._leaving:
+                # It stays down for good: stop it, and the policy adds a replica if the pool is below
+                # min_replicas (a replica counted as coming back would never be replaced).
+                print(f"pool: {rid} spent its restart budget; it leaves the pool", flush=True)
+                self._leaving.add(rid)
+                self._spawn(self._retire(rid))
+
+    async def _retire(self, rid: str) -> None:
+        try:
+            await self.cluster.remove_generator(rid)
+        except Exception as e:
+            print(f"pool: stopping {rid} failed: {type(e).__name__}: {e}", flush=True)
+        finally:
+            self._leaving.discard(rid)
+
+    async def _revive(self, rid: str) -> None:
+        try:
+            await self.cluster.revive(rid)
+        except Exception as e:  # it stays registered nowhere; a replacement comes from the policy
+            print(f"pool: restarting {rid} failed, it leaves the pool: {type(e).__name__}: {e}", flush=True)
+            self._leaving.add(rid)
+            await self._retire(rid)
 
     async def step(self) -> Decision | None:
         stats = await self.cluster.proxy.stats.remote()

@@ -22,6 +22,7 @@ from rl_cluster.config import RunConfig
 from rl_cluster.core.manifest import split_adapter_dir_name
 from rl_cluster.core.restarts import RestartBudget
 from rl_cluster.core.telemetry import GENERATOR_METRICS, vllm_gauges
+from rl_cluster.errors import ReplicaDown
 from rl_cluster.generator.server import ServerSpec, VLLMServer
 from rl_cluster.models import model_fingerprint, resolve_model
 from rl_cluster.proxy.adapter_loader import HttpAdapterLoader
@@ -79,11 +80,30 @@ class Generator:
         self.restarts = RestartBudget(config.generator.max_restarts, config.generator.restart_backoff_s)
         self._supervisor: asyncio.Task | None = None
         self._stopping = False
+        # A fresh actor has not begun start(): after Ray restarted a dead one, the run's pool controller
+        # sees that (condition()) and starts it again, passing on the restarts of its earlier lives.
+        self._began = False
+        self.earlier_restarts = 0
+        self.spent = False  # its restart budget ran out: the pool replaces it
         self.metrics = RayMetricSet(GENERATOR_METRICS, config.run_name)
 
-    async def start(self, replica_index: int, proxy=None) -> str:
+    async def start(self, replica_index: int, proxy=None, earlier_restarts: int = 0) -> str:
         """Start vLLM, wait until healthy, register with `proxy` (which loads every live adapter version
-        on it before routing to it), return the server's URL."""
+        on it before routing to it), return the server's URL. `earlier_restarts`: the replica's restarts
+        before this actor (a revived one) existed."""
+        self._began, self.earlier_restarts = True, earlier_restarts
+        try:
+            return await self._start(replica_index, proxy)
+        except BaseException:
+            self._began = False
+            raise
+
+    def condition(self) -> dict:
+        """What the run's pool controller polls: did start() begin (False: Ray restarted this actor after
+        it died), is its restart budget spent (it stays down), and the replica's restarts so far."""
+        return {"started": self._began, "spent": self.spent, "restarts": self.restart_count()}
+
+    async def _start(self, replica_index: int, proxy) -> str:
         g, model = self.config.generator, self.config.model
         model_dir = await asyncio.to_thread(resolve_model, model.path, model.revision)
         self.base_fingerprint = model_fingerprint(model_dir)
@@ -185,6 +205,7 @@ class Generator:
         if self.proxy is not None:
             await self.proxy.report_down.remote(self.replica_id, reason)
         if delay is None:
+            self.spent = True
             print(
                 f"replica {self.replica_id}: {reason}; restart budget ({limit}) spent: it stays out",
                 flush=True,
@@ -209,7 +230,8 @@ class Generator:
         return True
 
     def restart_count(self) -> int:
-        return self.restarts.used
+        """Restarts of this replica: its vLLM server's, and its actor's own (each counts once)."""
+        return self.earlier_restarts + self.restarts.used
 
     def server_pgid(self) -> int | None:
         """The vLLM server's process group (tests kill its members to play a crash)."""
@@ -222,6 +244,8 @@ class Generator:
 
     async def load_adapter(self, name: str, path: str) -> None:
         """Fetch and verify `path` (raises AdapterNotFound / AdapterRejected), then load it into vLLM."""
+        if self.vllm is None:
+            raise ReplicaDown(f"replica {self.replica_id} has no server yet (its actor was restarted)")
         local = await asyncio.to_thread(
             self.bucket.fetch_verified,
             path,
@@ -295,6 +319,8 @@ class ActorAdapterLoader:
         except ray.exceptions.RayTaskError as e:
             # The proxy reports the replica's reason to its client: the cause, not Ray's traceback.
             raise e.cause from None
+        except ray.exceptions.RayActorError as e:
+            raise ReplicaDown(f"its generator actor died: {type(e).__name__}") from None
 
     async def unload_adapter(self, name: str) -> None:
         try:

@@ -73,6 +73,11 @@ class HttpAdapterLoader:
         # phrase means the route itself is missing (VLLM_ALLOW_RUNTIME_LORA_UPDATING unset): not retryable.
         if status == 404 and "No adapter found" in message:
             raise AdapterNotFound(f"{self.url}: {message}")
+        # vLLM refuses a bad adapter with a 4xx. A 5xx is the server's own trouble (a dead engine core
+        # answers "EngineCore encountered an issue"): the replica failed, not the adapter, so a broadcast
+        # may leave it out if it is down rather than fail the sync.
+        if status >= 500:
+            raise AdapterError(f"{self.url}: HTTP {status}: {message}")
         raise AdapterRejected(f"{self.url}: HTTP {status}: {message}")
 
     async def unload_adapter(self, name: str) -> None:
@@ -82,4 +87,6 @@ class HttpAdapterLoader:
         message = error_message(text)
         if status == 404:
             raise AdapterNotFound(f"{self.url}: {message}")
+        if status >= 500:
+            raise AdapterError(f"{self.url}: HTTP {status}: {message}")
         raise AdapterRejected(f"{self.url}: HTTP {status}: {message}")

@@ -23,8 +23,11 @@ logger = logging.getLogger(__name__)
 class LoadFailed(Exception):
     """A broadcast adapter load failed on some replicas (and was rolled back on the others)."""
 
-    def __init__(self, name: str, failures: dict[str, BaseException], rolled_back: list[str]):
+    def __init__(
+        self, name: str, failures: dict[str, BaseException], rolled_back: list[str], all_down: bool = False
+    ):
         self.failures = failures
+        self.all_down = all_down  # nothing refused it: every replica was down (worth waiting for one)
         reasons = "; ".join(f"replica {r}: {type(e).__name__}: {e}" for r, e in sorted(failures.items()))
         undone = f"; rolled back on {', '.join(rolled_back)}" if rolled_back else ""
         super().__init__(f"loading adapter {name!r} failed: {reasons}{undone}")
@@ -114,6 +117,7 @@ async def load_everywhere(
     failures = {r: e for r, e in zip(targets, results, strict=True) if isinstance(e, BaseException)}
     if not failures and len(left_out) < len(targets):
         return
+    all_down = not failures
     failures = failures or left_out
     rolled_back = []
     for replica_id in [r for r in holders() if r in loaders]:
@@ -127,4 +131,4 @@ async def load_everywhere(
             continue
         rolled_back.append(replica_id)
         unloaded(replica_id)
-    raise LoadFailed(name, failures, rolled_back)
+    raise LoadFailed(name, failures, rolled_back, all_down=all_down)

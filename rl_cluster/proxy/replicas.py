@@ -36,9 +36,9 @@ import aiohttp
 from rl_cluster.config import ProxyConfig
 from rl_cluster.core.routing import PrefixTable
 from rl_cluster.core.versions import ReplicaState, VersionBook
-from rl_cluster.errors import AdapterNotFound
+from rl_cluster.errors import AdapterNotFound, ReplicaDown
 from rl_cluster.proxy.adapter_loader import AdapterLoader
-from rl_cluster.proxy.broadcast import load_everywhere, load_with_retry
+from rl_cluster.proxy.broadcast import LoadFailed, load_everywhere, load_with_retry
 from rl_cluster.proxy.forward import ReplicaFailed
 from rl_cluster.proxy.metrics import LatencyHistogram
 from rl_cluster.proxy.pausing import PauseCoordinator
@@ -131,6 +131,10 @@ class ReplicaPool:
         if capacity is None:
             self.spawn(self._learn_capacity(replica))
         async with self._adapter_lock:
+            if replica_id in self.replicas:
+                # Its generator actor died and Ray restarted it: a new server, maybe on another node.
+                logger.warning("replica %s registers again at %s: it replaces the old one", replica_id, url)
+                self._forget(replica_id)
             self.book.add_replica(replica_id)
             self.replicas[replica_id] = replica
             self.base_models = base
@@ -253,7 +257,12 @@ class ReplicaPool:
         """During a broadcast: is the replica that failed it down? Then it leaves routing (and catches up
         when it is back) instead of failing the broadcast for the replicas that are fine."""
         replica = self.replicas.get(replica_id)
-        problem = "removed" if replica is None else await self._probe(replica)
+        if replica is None:
+            problem = "removed"
+        elif isinstance(error, ReplicaDown):  # its actor says so; its old server may linger a few seconds
+            problem = "no server"
+        else:
+            problem = await self._probe(replica)
         if problem and replica is not None:
             self._mark_unhealthy(replica_id, f"{type(error).__name__}: {error}; health check: {problem}")
         return problem is not None
@@ -334,7 +343,9 @@ class ReplicaPool:
 
     def end_request(self, replica: Replica, adapter: str | None) -> None:
         """The last request for a closed adapter unloads it there; a draining replica may now be empty."""
-        if self.book.end(replica.replica_id, adapter or ""):
+        # A replica removed, or replaced by its restarted actor's new server, took its counts with it.
+        current = self.replicas.get(replica.replica_id) is replica
+        if current and self.book.end(replica.replica_id, adapter or ""):
             self.spawn(self._unload_on(replica.replica_id, adapter or ""))
         self._drained.set()
 
@@ -357,31 +368,41 @@ class ReplicaPool:
         return True
 
     async def _load(self, name: str, path: str) -> list[str]:
-        # Outside the lock: a returning replica's catch-up takes it before the replica is active.
-        await self.wait_for_active()
-        async with self._adapter_lock:
-            if self.book.known(name):
-                raise AdapterExists(name)
-            targets = self.book.active()
-            if not targets:
-                raise NoActiveReplica()
-            start = time.monotonic()
-            try:
-                await load_everywhere(
-                    name,
-                    path,
-                    {r: self.replicas[r].loader for r in targets},
-                    retry_s=self.config.load_retry_interval_s,
-                    deadline_s=self.config.load_deadline_s,
-                    # A replica removed meanwhile is not marked.
-                    loaded=lambda r: self.book.mark_loaded(r, name) if r in self.replicas else None,
-                    holders=lambda: self.book.holders(name),
-                    unloaded=lambda r: self.book.mark_unloaded(r, name),
-                    down=self._down,
-                )
-            finally:
-                self.latency.observe("load", time.monotonic() - start)
-            self.book.publish(name, path)
+        deadline = time.monotonic() + self.config.unavailable_timeout_s
+        while True:
+            # Outside the lock: a returning replica's catch-up takes it before the replica is active.
+            await self.wait_for_active()
+            async with self._adapter_lock:
+                if self.book.known(name):
+                    raise AdapterExists(name)
+                targets = self.book.active()
+                if not targets:
+                    raise NoActiveReplica()
+                start = time.monotonic()
+                try:
+                    await load_everywhere(
+                        name,
+                        path,
+                        {r: self.replicas[r].loader for r in targets},
+                        retry_s=self.config.load_retry_interval_s,
+                        deadline_s=self.config.load_deadline_s,
+                        # A replica removed meanwhile is not marked.
+                        loaded=lambda r: self.book.mark_loaded(r, name) if r in self.replicas else None,
+                        holders=lambda: self.book.holders(name),
+                        unloaded=lambda r: self.book.mark_unloaded(r, name),
+                        down=self._down,
+                    )
+                except LoadFailed as e:
+                    # Every replica it went to turned out to be down (a one-replica run whose engine just
+                    # died): like a request, the sync waits for one to come back, bounded.
+                    if not e.all_down or time.monotonic() >= deadline:
+                        raise
+                    logger.warning("every replica was down while loading %s: waiting for one to return", name)
+                    continue
+                finally:
+                    self.latency.observe("load", time.monotonic() - start)
+                self.book.publish(name, path)
+                break
         routable_on = [r for r in targets if name in self.book.loaded_on(r)]
         logger.info("adapter %s routable on %s", name, routable_on)
         return routable_on

@@ -1,65 +1,141 @@
-"""The s3:// bucket end to end: a few training steps against a real S3 API (moto on loopback); both
-replicas load every version from their own verified local cache. The run is the lockstep baseline
-(trainer.mode=sync): every sample is trained on the policy it was generated with, none is dropped."""
+"""A run through three engine crashes, end to end, against an s3:// bucket (moto on loopback).
+
+The run has one replica, so it cannot outrun the faults: while its vLLM engine is down, nothing is
+generated and training waits. Its engine process is SIGKILLed three times, each time after the restarted
+replica served a step again. Each time its GeneratorActor restarts the server, the proxy holds the
+requests that were on it and the next sync's load until it is back, and it reloads every live version
+from its own verified local cache of the bucket before it takes traffic. The run completes all its
+steps, and every group is accounted for.
+
+The run is the lockstep baseline (trainer.mode=sync): every sample is trained on the policy it was
+generated with, none is dropped, also across the crashes.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
-from conftest import S3_ENV, moto_s3
+from conftest import S3_ENV, moto_s3, vllm_pids_with, wait_until_no_vllm_with
 
 from rl_cluster.bucket import Bucket
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = "e2e-s3"
+STEPS = 14
+KILLS = 3
 
 
-def test_training_through_an_s3_bucket(tmp_path, monkeypatch):
+def wait_for(
+    log: Path, pattern: str, run: subprocess.Popen, count: int = 1, timeout_s: float = 600
+) -> list[str]:
+    """The first `count` matches of `pattern` in the run's log, once there are that many."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = re.findall(pattern, log.read_text(errors="replace"), re.M)
+        if len(found) >= count:
+            return found
+        assert run.poll() is None, f"the run exited ({run.returncode}):\n{log.read_text()[-6000:]}"
+        time.sleep(0.5)
+    raise AssertionError(f"no {count}x {pattern!r} within {timeout_s:.0f} s:\n{log.read_text()[-6000:]}")
+
+
+def last_step(log: Path) -> int:
+    steps = re.findall(rf"step +(\d+)/{STEPS}", log.read_text(errors="replace"))
+    return int(steps[-1]) if steps else 0
+
+
+def engine_core(marker: str, timeout_s: float = 120) -> int:
+    """The pid of this run's one vLLM engine core process (vLLM titles it `VLLM::EngineCore`)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        engines = []
+        for pid in vllm_pids_with(marker):
+            try:
+                if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"VLLM::EngineCore"):
+                    engines.append(pid)
+            except OSError:
+                continue
+        if len(engines) == 1:
+            return engines[0]
+        time.sleep(0.5)
+    raise AssertionError(f"no single engine core process of the run within {timeout_s:.0f} s")
+
+
+def test_a_run_through_three_engine_kills_on_an_s3_bucket(tmp_path, monkeypatch):
     for key, value in S3_ENV.items():
-        monkeypatch.setenv(key, value)
-    cache = tmp_path / "cache"
-    with moto_s3("rl-e2e") as endpoint:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "jobs/train_grpo.py",
-                "--config",
-                "jobs/configs/cpu_demo.toml",
-                f"run_name={RUN}",
-                "cluster.address=local",
-                "bucket.uri=s3://rl-e2e/runs",
-                f"bucket.s3_endpoint_url={endpoint}",
-                f"bucket.cache_dir={cache}",
-                "trainer.max_steps=4",
-                "trainer.mode=sync",
-            ],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+        monkeypatch.setenv(key, value)  # the run and this test both read the bucket
+    name, value = "RL_CLUSTER_TEST", uuid.uuid4().hex
+    marker = f"{name}={value}"
+    cache, log = tmp_path / "cache", tmp_path / "run.log"
+    with moto_s3("rl-e2e") as endpoint, log.open("w") as out:
+        command = [
+            sys.executable,
+            "jobs/train_grpo.py",
+            "--config",
+            "jobs/configs/cpu_demo.toml",
+            f"run_name={RUN}",
+            "cluster.address=local",
+            "bucket.uri=s3://rl-e2e/runs",
+            f"bucket.s3_endpoint_url={endpoint}",
+            f"bucket.cache_dir={cache}",
+            f"trainer.max_steps={STEPS}",
+            "trainer.mode=sync",
+            "generator.replicas=1",
+            "generator.restart_backoff_s=1",
+        ]
+        env = {**os.environ, name: value}
+        run = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
+        try:
+            wait_for(log, rf"step +2/{STEPS}", run, timeout_s=900)
+            for kill in range(1, KILLS + 1):
+                before = last_step(log)
+                os.kill(engine_core(marker), signal.SIGKILL)
+                wait_for(log, rf"replica g0: .*; restart {kill}/3 in", run, timeout_s=120)
+                wait_for(log, r"replica g0: serving again", run, count=kill, timeout_s=300)
+                # Training went on on the restarted replica: a step after the kill's.
+                wait_for(log, rf"step +{before + 1}/{STEPS}", run, timeout_s=300)
+            assert last_step(log) < STEPS, "the run ended before its last crash: nothing tested it"
+            assert run.wait(timeout=600) == 0, log.read_text()[-6000:]
+        finally:
+            if run.poll() is None:
+                run.send_signal(signal.SIGINT)  # the run stops its actors and its local Ray itself
+                try:
+                    run.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    run.kill()
         bucket = Bucket("s3://rl-e2e/runs", endpoint)
         summary = json.loads(bucket.read_text(RUN, "summary.json"))
         published = bucket.list_versions(RUN, RUN)
         metrics = [json.loads(line) for line in bucket.read_text(RUN, "metrics.jsonl").splitlines()]
+    assert not wait_until_no_vllm_with(marker), "a vLLM process outlived the run"
 
-    assert summary["steps"] == len(metrics) == 4
-    # Lockstep: each step trains on samples of the version published just before it.
-    assert [m["staleness"] for m in metrics] == [0.0] * 4
-    assert [m["policy_version"] for m in metrics] == [2, 3, 4, 5]
+    assert summary["status"] == "finished"
+    assert summary["steps"] == len(metrics) == STEPS
+    assert summary["replica_restarts"] == {"g0": KILLS}, summary["replica_restarts"]
+    # Lockstep, also across the crashes: each step trains on samples of the version published just before it.
+    assert [m["staleness"] for m in metrics] == [0.0] * STEPS
+    assert [m["policy_version"] for m in metrics] == list(range(2, STEPS + 2))
     groups = summary["groups"]
-    assert (groups["trained"], groups["dropped_stale"], groups["failed"]) == (16, 0, 0)  # 4 steps x 4 groups
+    # No group was lost to a crash: the requests on the dead engine were held and served after it.
+    assert (groups["trained"], groups["dropped_stale"], groups["failed"]) == (STEPS * 4, 0, 0), groups
     # After the last sync the next step's groups may start; nothing more.
-    assert 16 <= groups["generated"] <= 20
-    assert published and len(summary["versions_published"]) >= 5  # v1 at start + one per step
+    assert 0 <= groups["generated"] - groups["trained"] <= 4, groups
+    assert published and len(summary["versions_published"]) >= STEPS + 1  # v1 at start + one per step
     assert summary["served_vs_trained_gap"] <= 1e-3
-    for replica, loaded in summary["versions_loaded"].items():
-        assert set(summary["versions_published"]) <= set(loaded), replica
-        # Each replica loaded from its own verified local copy, which keeps the live window.
-        cached = {p.name for p in (cache / replica / RUN / "adapters").iterdir()}
-        assert f"{RUN}-v{published[-1]}" in cached, (replica, cached)
-        assert (cache / replica / RUN / "adapters" / f"{RUN}-v{published[-1]}" / "manifest.json").exists()
+    ((replica, loaded),) = summary["versions_loaded"].items()
+    # Every version reached the replica, those published while it was down by its catch-up.
+    assert set(summary["versions_published"]) <= set(loaded), sorted(
+        set(summary["versions_published"]) - set(loaded)
+    )
+    # It loaded from its own verified local copy, which keeps the live window.
+    cached = {p.name for p in (cache / replica / RUN / "adapters").iterdir()}
+    assert f"{RUN}-v{published[-1]}" in cached, (replica, cached)
+    assert (cache / replica / RUN / "adapters" / f"{RUN}-v{published[-1]}" / "manifest.json").exists()

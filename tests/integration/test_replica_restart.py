@@ -10,15 +10,37 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 
 import aiohttp
 import pytest
-from conftest import publish_lora, tiny_run_config, wait_until_no_vllm_with
+import ray
+from conftest import publish_lora, tiny_run_config, vllm_pids_with, wait_until_no_vllm_with
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.cluster import RunSecrets, launch
 
 pytestmark = pytest.mark.vllm
+
+
+def api_servers(marker: str, settle_s: float = 45) -> set[int]:
+    """This module's vLLM API server processes, once no more than one per generator is left (a server
+    whose actor died is ended by its watchdog within seconds)."""
+
+    def servers() -> set[int]:
+        found = set()
+        for pid in vllm_pids_with(marker):
+            try:
+                if b"--served-model-name" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.add(pid)
+            except OSError:
+                continue
+        return found
+
+    deadline = time.monotonic() + settle_s
+    while len(found := servers()) > 2 and time.monotonic() < deadline:
+        time.sleep(1)
+    return found
 
 
 async def wait_for(what, predicate, timeout_s: float):
@@ -37,7 +59,7 @@ async def test_a_killed_server_comes_back_caught_up_and_the_pool_shrinks_and_gro
     config.generator.replicas = 2
     config.generator.restart_backoff_s = 1.0
     bucket = Bucket(config.bucket.uri)
-    v1, v2 = (publish_lora(bucket, run, v, tiny_model_dir, tmp_path) for v in (1, 2))
+    v1, v2, v3 = (publish_lora(bucket, run, v, tiny_model_dir, tmp_path) for v in (1, 2, 3))
     secrets = RunSecrets.for_run(config)
     control = {"Authorization": f"Bearer {secrets.proxy_token}"}
     cluster = await launch(config, str(tmp_path / "logs"), secrets)
@@ -82,13 +104,38 @@ async def test_a_killed_server_comes_back_caught_up_and_the_pool_shrinks_and_gro
             assert served == {"g0", "g1"}, served
             print(f"\ncrash -> serving again: {back_after:.0f} s")
 
+            # The generator actor itself dies. Ray restarts it (a fresh actor, no server), the old server
+            # is ended by its watchdog, and the pool's look for restarted actors finds it and starts it
+            # again: it registers anew, replacing the dead entry, and loads every live version first.
+            assert await cluster.restarted_generators() == []  # both up: nothing to do
+            g0 = cluster.generators["g0"]
+            died = time.monotonic()
+            ray.kill(g0, no_restart=False)
+            assert await wait_for("Ray to restart g0's actor", cluster.restarted_generators, 120) == ["g0"]
+            status, text = await load(f"{run}-v3", v3)  # a sync meanwhile goes on without it
+            assert status == 200, text
+            await cluster.revive("g0")
+            print(f"actor death -> serving again: {time.monotonic() - died:.0f} s")
+            g0_state = (await replicas())["g0"]
+            assert g0_state["state"] == "active", g0_state
+            assert {f"{run}-v1", f"{run}-v2", f"{run}-v3"} <= set(g0_state["adapters_loaded"]), g0_state
+            assert await g0.restart_count.remote() == 2  # its server's restart, then its actor's
+            assert len(api_servers(marked_ray)) == 2  # the dead actor's server did not outlive it
+            served = set()
+            for i in range(12):
+                request = {"model": f"{run}-v3", "prompt": f"{i}+2=", "max_tokens": 2}
+                async with http.post(f"{cluster.proxy_url}/v1/completions", json=request) as r:
+                    assert r.status == 200, await r.text()
+                    served.add(r.headers["X-Proxy-Replica"])
+            assert served == {"g0", "g1"}, served
+
             # Shrink: g1 leaves, drained; v2 keeps being served, by g0.
             await cluster.remove_generator("g1")
             assert set(await replicas()) == {"g0"}
             # Grow: the newcomer holds every live version before it is active.
             assert await cluster.add_generators(1) == ["g2"]
             g2 = (await replicas())["g2"]
-            assert g2["state"] == "active" and {f"{run}-v1", f"{run}-v2"} <= set(g2["adapters_loaded"]), g2
+            assert g2["state"] == "active" and {f"{run}-v1", f"{run}-v3"} <= set(g2["adapters_loaded"]), g2
             await cluster.remove_generator("g0")
             request = {"model": f"{run}-v2", "prompt": "1+2=", "max_tokens": 4}
             async with http.post(f"{cluster.proxy_url}/v1/completions", json=request) as r:

@@ -49,6 +49,7 @@ async def test_a_healthy_replica_that_fails_rolls_the_load_back():
     with pytest.raises(LoadFailed) as failed:
         await broadcast(replicas, dead=set())
     assert failed.value.status == 502 and replicas["g0"].adapters == set()
+    assert not failed.value.all_down
 
 
 async def test_a_refused_adapter_fails_whatever_the_replicas_health():
@@ -59,7 +60,12 @@ async def test_a_refused_adapter_fails_whatever_the_replicas_health():
     assert replicas["g0"].adapters == set()
 
 
-async def test_when_every_replica_is_down_the_load_fails():
+async def test_when_every_replica_is_down_the_load_fails_saying_so():
     replicas = {"g0": Replica(AdapterError("unreachable")), "g1": Replica(AdapterError("unreachable"))}
-    with pytest.raises(LoadFailed, match="unreachable"):
+    with pytest.raises(LoadFailed, match="unreachable") as failed:
         await broadcast(replicas, dead={"g0", "g1"})
+    assert failed.value.all_down  # the proxy waits for a replica to return instead of failing the sync
+    # One down and one failing for real is a real failure.
+    with pytest.raises(LoadFailed) as failed:
+        await broadcast(replicas, dead={"g0"})
+    assert not failed.value.all_down
