@@ -29,7 +29,7 @@ demo: setup
 	$(BIN)/python jobs/train_grpo.py --config jobs/configs/cpu_demo.toml
 
 test: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 tests
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm" tests

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import secrets
 import signal
@@ -368,3 +369,54 @@ async def _served_any(load: Load, replica: str) -> bool:
 async def _in_flight(stats, *names: str) -> bool:
     pool = (await stats)["replicas"]
     return all(pool.get(name, {}).get("in_flight", 0) > 0 for name in names)
+
+
+async def test_a_generator_actor_that_dies_is_restarted_and_serves_again(cluster, served):
+    """SIGKILL the serving generator's actor process: Ray restarts the actor on its node, its old vLLM
+    server is ended by its watchdog, and the pool controller starts the new actor's server, which
+    registers anew and catches up before it serves. Requests meanwhile wait at the proxy and succeed."""
+    from ray.util.state import list_actors
+
+    async with aiohttp.ClientSession() as http:
+        if not served.versions:  # run on its own
+            await publish_and_load(http, served, 1)
+        [rid] = (await replicas(http, served))["replicas"]
+        alive = [("class_name", "=", "Generator"), ("state", "=", "ALIVE")]
+        [actor] = await asyncio.to_thread(list_actors, address=cluster.dashboard, filters=alive)
+        before = served.log.read_text(errors="replace").count("serving again after its actor's restart")
+        load = Load(http, served, workers=1, max_tokens=8, pause_s=0.2)
+        try:
+            await wait_for(f"{rid} to serve", lambda: _served_any(load, rid), 60)
+            os.kill(actor.pid, signal.SIGKILL)  # a process of this test's namespace cluster
+            killed = time.monotonic()
+            await wait_for(
+                f"{rid} to serve again",
+                lambda: _serving_again(served, before, replicas(http, served), rid),
+                240,
+            )
+            back = time.monotonic() - killed
+            answered = len(load.answers)
+            await wait_for("requests after its return", lambda: _more_answers(load, answered + 3), 60)
+        finally:
+            await load.stop()
+        assert not load.failures(), load.failures()[:5]  # they waited for it, then were served
+        pool = (await replicas(http, served))["replicas"]
+        assert list(pool) == [rid] and set(served.versions) <= set(pool[rid]["adapters_loaded"]), pool
+        [restarted] = await asyncio.to_thread(
+            list_actors, address=cluster.dashboard, filters=alive, detail=True
+        )
+        assert restarted.actor_id == actor.actor_id and restarted.pid != actor.pid
+        assert restarted.num_restarts == 1
+        print(f"\ngenerator actor SIGKILLed -> serving again: {back:.0f} s")
+
+
+async def _serving_again(served, before: int, stats, rid: str) -> bool:
+    log = served.log.read_text(errors="replace")
+    return (
+        log.count("serving again after its actor's restart") > before
+        and (await stats)["replicas"].get(rid, {}).get("state") == "active"
+    )
+
+
+async def _more_answers(load, n: int) -> bool:
+    return len(load.answers) >= n

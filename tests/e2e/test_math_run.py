@@ -14,6 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rl_cluster.data.tiny_math import write_task
@@ -107,3 +108,45 @@ def test_eval_pass_at_1_rises_on_the_tiny_math_task(tmp_path):
     assert [r["step"] for r in records if r.get("kind") != "eval"] == list(range(1, STEPS + 1))
     assert [r["step"] for r in records if r.get("kind") == "eval"] == [0, 10, 20]
     assert summary["steps"] == STEPS and summary["served_vs_trained_gap"] <= 1e-3
+
+
+# Sizes a 2-core CPU can run on the tiny model; everything else (task, prompts, grader, optimiser,
+# staleness, eval settings) is the recipe's own, but for a sync every 2 steps (not 4) so that two steps
+# end on a sync and the eval at step 2 measures their policy, and without token-budget packing: with TRL
+# 1.16 a step then trains one micro-batch filled to token_budget unique tokens, whatever
+# completions_per_step says, and rows of 24-token completions never filled (16,384 nor 1,024 tokens)
+# from what the admission window lets generate: the trainer waited for ever (seen here).
+CPU_SIZED = [
+    "model.dtype=float32", "model.max_model_len=256", "trainer.max_new_tokens=24", "trainer.token_budget=0",
+    "trainer.completions_per_step=16", "trainer.num_cpus=1", "trainer.num_gpus=0", "generator.replicas=1",
+    "generator.num_gpus=0", "generator.pin_cpu_cores=true", "generator.kv_cache_gb=1", "eval.max_problems=8",
+    "eval.every_steps=2", "trainer.max_steps=2", "trainer.sync_every=2", "cluster.address=local",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", ["qwen25_math_1p5b", "deepseek_r1_distill_qwen_1p5b"])
+def test_each_reference_recipe_runs_two_steps_on_the_tiny_model(recipe, tmp_path):
+    """The recipe's pipeline end to end, with `model.path` the tiny math model and the hub dataset
+    replaced by local MATH-format files: `prepare`, then two training steps with evals at 0 and 2."""
+    files = write_task(tmp_path / "data", train_rows=200, seed=1)
+    config = f"jobs/configs/{recipe}.toml"
+    overrides = [
+        f"model.path={ensure_tiny_model(task='math')}",
+        "task.dataset=parquet",
+        f'task.data_files={{ train = ["{files["train"]["parquet"]}"], test = ["{files["test"]["parquet"]}"] }}',
+        f"bucket.uri={tmp_path / 'bucket'}",
+        *CPU_SIZED,  # the prepared data's key follows the prompt limit, so prepare sees them too
+    ]
+    prepare = subprocess.run([sys.executable, "-m", "rl_cluster.data", "prepare", "--config", config, *overrides],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert prepare.returncode == 0, (prepare.stdout + prepare.stderr)[-4000:]
+    assert "train: 200 of 200 rows" in prepare.stdout, prepare.stdout
+    run = subprocess.run([sys.executable, "jobs/train_grpo.py", "--config", config, *overrides,
+                          f"run_name={recipe}-tiny"], cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    summary = json.loads((tmp_path / "bucket" / f"{recipe}-tiny" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 2
+    assert summary["groups"]["trained"] == 2 * 2 and summary["groups"]["failed"] == 0, summary["groups"]
+    assert [e["step"] for e in summary["eval"]["steps"]] == [0, 2]
+    assert summary["eval"]["last"]["problems"] == 8 and summary["eval"]["last"]["failed"] == 0
+    assert summary["served_vs_trained_gap"] <= 1e-3
