@@ -323,7 +323,8 @@ class LoggingConfig(Section):
     wandb_entity: str | None = None
     """W&B entity (user or team); None: the API key's default entity."""
     wandb_dir: str | None = None
-    """Directory wandb writes its run files into; None: the trainer's working directory."""
+    """Directory wandb writes its run files into; None: `<bucket>/<run>/wandb/` for a directory bucket,
+    else `.cache/wandb/<run>/` in the trainer's working directory."""
 
 
 class ExperienceConfig(Section):

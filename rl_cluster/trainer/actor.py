@@ -264,8 +264,10 @@ class Trainer:
                 self._restore(checkpoint)
         from rl_cluster.trainer.wandb_log import WandbLog
 
-        # Offline runs land beside the run's files when the bucket is a directory every node mounts.
-        self._wandb = WandbLog(c, None if self.bucket.is_remote else self.bucket.run_uri(c.run_name))
+        # Offline runs land beside the run's files when the bucket is a directory every node mounts, else
+        # under the trainer's .cache/ (beside the vLLM logs), never loose in the working directory.
+        local = Path(".cache", "wandb", c.run_name).resolve()
+        self._wandb = WandbLog(c, local if self.bucket.is_remote else self.bucket.run_uri(c.run_name))
         if self._wandb.sync_dir:
             print(f"wandb ({c.logging.wandb}): {self._wandb.sync_dir}", flush=True)
         output_dir = tempfile.mkdtemp(prefix=f"rl_cluster-{c.run_name}-")
