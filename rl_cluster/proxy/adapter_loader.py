@@ -11,7 +11,7 @@ from typing import Protocol, runtime_checkable
 
 import aiohttp
 
-from rl_cluster.errors import AdapterError, AdapterNotFound, AdapterRejected
+from rl_cluster.errors import AdapterError, AdapterNotFound, AdapterRejected, ReplicaServerError
 
 # Admin calls to a replica (adapter loads, pause, resume, /v1/models) are bounded so that a hung replica
 # turns into an error instead of a hung trainer.
@@ -73,11 +73,11 @@ class HttpAdapterLoader:
         # phrase means the route itself is missing (VLLM_ALLOW_RUNTIME_LORA_UPDATING unset): not retryable.
         if status == 404 and "No adapter found" in message:
             raise AdapterNotFound(f"{self.url}: {message}")
-        # vLLM refuses a bad adapter with a 4xx. A 5xx is the server's own trouble (a dead engine core
-        # answers "EngineCore encountered an issue"): the replica failed, not the adapter, so a broadcast
-        # may leave it out if it is down rather than fail the sync.
+        # A 5xx may be the server's own trouble (a dead engine core answers "EngineCore encountered an
+        # issue") or a refusal (vLLM answers some, such as a rank above --max-lora-rank, with a 500): the
+        # broadcast asks the replica's health which (rl_cluster.proxy.broadcast).
         if status >= 500:
-            raise AdapterError(f"{self.url}: HTTP {status}: {message}")
+            raise ReplicaServerError(f"{self.url}: HTTP {status}: {message}")
         raise AdapterRejected(f"{self.url}: HTTP {status}: {message}")
 
     async def unload_adapter(self, name: str) -> None:
@@ -88,5 +88,5 @@ class HttpAdapterLoader:
         if status == 404:
             raise AdapterNotFound(f"{self.url}: {message}")
         if status >= 500:
-            raise AdapterError(f"{self.url}: HTTP {status}: {message}")
+            raise ReplicaServerError(f"{self.url}: HTTP {status}: {message}")
         raise AdapterRejected(f"{self.url}: HTTP {status}: {message}")

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from rl_cluster.errors import AdapterNotFound, AdapterRejected
+from rl_cluster.errors import AdapterNotFound, AdapterRejected, ReplicaServerError
 from rl_cluster.proxy.adapter_loader import AdapterLoader
 
 logger = logging.getLogger(__name__)
@@ -106,6 +106,9 @@ async def load_everywhere(
                 logger.warning("replica %s is down; adapter %s goes on without it: %s", replica_id, name, e)
                 return
             give_up.set()
+            if isinstance(e, ReplicaServerError) and down is not None:
+                # A 5xx from a replica that is up: vLLM refused the adapter (a 4xx for the client).
+                raise AdapterRejected(str(e)) from e
             raise
         except BaseException:
             give_up.set()

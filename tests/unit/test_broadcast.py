@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rl_cluster.errors import AdapterError, AdapterRejected
+from rl_cluster.errors import AdapterError, AdapterRejected, ReplicaServerError
 from rl_cluster.proxy.broadcast import LoadFailed, load_everywhere
 
 
@@ -69,3 +69,14 @@ async def test_when_every_replica_is_down_the_load_fails_saying_so():
     with pytest.raises(LoadFailed) as failed:
         await broadcast(replicas, dead={"g0"})
     assert not failed.value.all_down
+
+
+async def test_a_5xx_is_the_replicas_failure_when_it_is_down_and_a_refusal_when_it_is_up():
+    # vLLM answers both a dead engine core and a rank above --max-lora-rank with a 500.
+    refused = {"g0": Replica(), "g1": Replica(ReplicaServerError("HTTP 500: LoRA rank 64 > max 8"))}
+    with pytest.raises(LoadFailed) as failed:
+        await broadcast(refused, dead=set())
+    assert failed.value.status == 400 and refused["g0"].adapters == set()
+    broken = {"g0": Replica(), "g1": Replica(ReplicaServerError("HTTP 500: EngineCore encountered an issue"))}
+    loaded, asked = await broadcast(broken, dead={"g1"})
+    assert loaded == ["g0"] and asked == ["g1"]
