@@ -152,11 +152,11 @@ class Cluster:
             self._starting.difference_update(replica_id for replica_id, _, _ in new)
         return [replica_id for replica_id, _, _ in new]
 
-    async def restarted_generators(self, timeout_s: float = 60.0, spent: list | None = None) -> list[str]:
-        """Generators whose actor died and was restarted by Ray (a fresh actor, nothing started: see
-        `revive`). One that Ray will not restart again leaves the pool and the proxy. `spent` collects
-        the ones whose server's restart budget ran out (they stay down until replaced)."""
-        found = []
+    async def generators_to_mend(self, timeout_s: float = 60.0) -> dict[str, str]:
+        """{replica: what it needs}: "restarted" when its actor died and Ray restarted it (a fresh actor,
+        nothing started: see `revive`), "spent" when its server's restart budget ran out (it stays down
+        until replaced). One that Ray will not restart again leaves the pool and the proxy."""
+        found = {}
         for replica_id, actor in list(self.generators.items()):
             if replica_id in self._starting:
                 continue
@@ -174,11 +174,11 @@ class Cluster:
             except (TimeoutError, ray.exceptions.RayActorError):
                 continue  # still restarting: the next round sees it
             if not condition["started"]:
-                found.append(replica_id)
+                found[replica_id] = "restarted"
                 continue
             self._restarts_seen[replica_id] = condition["restarts"]
-            if condition["spent"] and spent is not None:
-                spent.append(replica_id)
+            if condition["spent"]:
+                found[replica_id] = "spent"
         return found
 
     async def revive(self, replica_id: str) -> None:

@@ -81,7 +81,7 @@ class PoolController:
         self._growing = asyncio.Lock()  # one add at a time: the actors it creates are then known
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.Task | None = None
-        self._watch: asyncio.Task | None = None  # the current look for restarted generators
+        self._watch: asyncio.Task | None = None  # the current look after the generators (_mend)
 
     # -- the actor's interface ----------------------------------------------------------------------
 
@@ -139,29 +139,35 @@ class PoolController:
     async def _run(self) -> None:
         while True:
             if self._watch is None or self._watch.done():
-                self._watch = asyncio.get_running_loop().create_task(self._revive_restarted())
+                self._watch = asyncio.get_running_loop().create_task(self._mend())
             try:
                 await self.step()
             except Exception:
                 logger.exception("pool controller step failed")
             await asyncio.sleep(self.g.scale_interval_s)
 
-    async def _revive_restarted(self) -> None:
-        """Generators whose actor Ray restarted after it died start serving again (each in its own task:
-        a vLLM start takes a while and the pool keeps deciding meanwhile)."""
-        spent: list[str] = []
+    async def _mend(self) -> None:
+        """Generators whose actor Ray restarted after it died start serving again, each in its own task
+        (a vLLM start takes a while and the pool keeps deciding meanwhile); ones whose restart budget is
+        spent stop, and the policy adds a replica if the pool falls below min_replicas (one counted as
+        coming back would never be replaced)."""
         try:
-            for rid in await self.cluster.restarted_generators(spent=spent):
-                self._spawn(self._revive(rid))
+            needs = await self.cluster.generators_to_mend()
         except Exception:
-            logger.exception("looking for restarted generators failed")
-        for rid in spent:
-            if rid not in self._leaving:
-                # It stays down for good: stop it, and the policy adds a replica if the pool is below
-                # min_replicas (a replica counted as coming back would never be replaced).
+            logger.exception("looking after the generators failed")
+            return
+        for rid, need in needs.items():
+            if rid in self._leaving:
+                continue
+            if need == "restarted":
+                self._spawn(self._revive(rid))
+            else:
                 print(f"pool: {rid} spent its restart budget; it leaves the pool", flush=True)
-                self._leaving.add(rid)
-                self._spawn(self._retire(rid))
+                self._leave(rid)
+
+    def _leave(self, rid: str) -> None:
+        self._leaving.add(rid)
+        self._spawn(self._retire(rid))
 
     async def _retire(self, rid: str) -> None:
         try:
@@ -176,8 +182,7 @@ class PoolController:
             await self.cluster.revive(rid)
         except Exception as e:  # it stays registered nowhere; a replacement comes from the policy
             print(f"pool: restarting {rid} failed, it leaves the pool: {type(e).__name__}: {e}", flush=True)
-            self._leaving.add(rid)
-            await self._retire(rid)
+            self._leave(rid)
 
     async def step(self) -> Decision | None:
         stats = await self.cluster.proxy.stats.remote()

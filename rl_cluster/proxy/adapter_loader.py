@@ -73,12 +73,7 @@ class HttpAdapterLoader:
         # phrase means the route itself is missing (VLLM_ALLOW_RUNTIME_LORA_UPDATING unset): not retryable.
         if status == 404 and "No adapter found" in message:
             raise AdapterNotFound(f"{self.url}: {message}")
-        # A 5xx may be the server's own trouble (a dead engine core answers "EngineCore encountered an
-        # issue") or a refusal (vLLM answers some, such as a rank above --max-lora-rank, with a 500): the
-        # broadcast asks the replica's health which (rl_cluster.proxy.broadcast).
-        if status >= 500:
-            raise ReplicaServerError(f"{self.url}: HTTP {status}: {message}")
-        raise AdapterRejected(f"{self.url}: HTTP {status}: {message}")
+        raise self._failure(status, message)
 
     async def unload_adapter(self, name: str) -> None:
         status, text = await self._post("/v1/unload_lora_adapter", {"lora_name": name})
@@ -87,6 +82,11 @@ class HttpAdapterLoader:
         message = error_message(text)
         if status == 404:
             raise AdapterNotFound(f"{self.url}: {message}")
-        if status >= 500:
-            raise ReplicaServerError(f"{self.url}: HTTP {status}: {message}")
-        raise AdapterRejected(f"{self.url}: HTTP {status}: {message}")
+        raise self._failure(status, message)
+
+    def _failure(self, status: int, message: str) -> AdapterError:
+        # A 5xx may be the server's own trouble (a dead engine core answers "EngineCore encountered an
+        # issue") or a refusal (vLLM answers some, such as a rank above --max-lora-rank, with a 500): the
+        # broadcast asks the replica's health which (rl_cluster.proxy.broadcast).
+        kind = ReplicaServerError if status >= 500 else AdapterRejected
+        return kind(f"{self.url}: HTTP {status}: {message}")

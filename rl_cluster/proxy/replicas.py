@@ -370,42 +370,47 @@ class ReplicaPool:
     async def _load(self, name: str, path: str) -> list[str]:
         deadline = time.monotonic() + self.config.unavailable_timeout_s
         while True:
-            # Outside the lock: a returning replica's catch-up takes it before the replica is active.
-            await self.wait_for_active()
-            async with self._adapter_lock:
-                if self.book.known(name):
-                    raise AdapterExists(name)
-                targets = self.book.active()
-                if not targets:
-                    raise NoActiveReplica()
-                start = time.monotonic()
-                try:
-                    await load_everywhere(
-                        name,
-                        path,
-                        {r: self.replicas[r].loader for r in targets},
-                        retry_s=self.config.load_retry_interval_s,
-                        deadline_s=self.config.load_deadline_s,
-                        # A replica removed meanwhile is not marked.
-                        loaded=lambda r: self.book.mark_loaded(r, name) if r in self.replicas else None,
-                        holders=lambda: self.book.holders(name),
-                        unloaded=lambda r: self.book.mark_unloaded(r, name),
-                        down=self._down,
-                    )
-                except LoadFailed as e:
-                    # Every replica it went to turned out to be down (a one-replica run whose engine just
-                    # died): like a request, the sync waits for one to come back, bounded.
-                    if not e.all_down or time.monotonic() >= deadline:
-                        raise
-                    logger.warning("every replica was down while loading %s: waiting for one to return", name)
-                    continue
-                finally:
-                    self.latency.observe("load", time.monotonic() - start)
-                self.book.publish(name, path)
+            try:
+                targets = await self._load_once(name, path)
                 break
+            except LoadFailed as e:
+                # Every replica it went to turned out to be down (a one-replica run whose engine just
+                # died): like a request, the sync waits for one to come back, bounded.
+                if not e.all_down or time.monotonic() >= deadline:
+                    raise
+                logger.warning("every replica was down while loading %s: waiting for one to return", name)
         routable_on = [r for r in targets if name in self.book.loaded_on(r)]
         logger.info("adapter %s routable on %s", name, routable_on)
         return routable_on
+
+    async def _load_once(self, name: str, path: str) -> list[str]:
+        """One all-or-nothing load over the replicas active now; returns them (raises as `load`)."""
+        # Outside the lock: a returning replica's catch-up takes it before the replica is active.
+        await self.wait_for_active()
+        async with self._adapter_lock:
+            if self.book.known(name):
+                raise AdapterExists(name)
+            targets = self.book.active()
+            if not targets:
+                raise NoActiveReplica()
+            start = time.monotonic()
+            try:
+                await load_everywhere(
+                    name,
+                    path,
+                    {r: self.replicas[r].loader for r in targets},
+                    retry_s=self.config.load_retry_interval_s,
+                    deadline_s=self.config.load_deadline_s,
+                    # A replica removed meanwhile is not marked.
+                    loaded=lambda r: self.book.mark_loaded(r, name) if r in self.replicas else None,
+                    holders=lambda: self.book.holders(name),
+                    unloaded=lambda r: self.book.mark_unloaded(r, name),
+                    down=self._down,
+                )
+            finally:
+                self.latency.observe("load", time.monotonic() - start)
+            self.book.publish(name, path)
+        return targets
 
     async def close(self, name: str) -> bool:
         """Close `name` to new requests; each replica unloads it once nothing for it is in flight there.

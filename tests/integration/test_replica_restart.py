@@ -95,23 +95,29 @@ async def test_a_killed_server_comes_back_caught_up_and_the_pool_shrinks_and_gro
             await wait_for("g0 to be active with v1 and v2", g0_back, 240)
             back_after = time.monotonic() - crashed
             assert await cluster.generators["g0"].restart_count.remote() == 1
-            served = set()
-            for i in range(12):
-                request = {"model": f"{run}-v2", "prompt": f"{i}+1=", "max_tokens": 2}
-                async with http.post(f"{cluster.proxy_url}/v1/completions", json=request) as r:
-                    assert r.status == 200, await r.text()
-                    served.add(r.headers["X-Proxy-Replica"])
-            assert served == {"g0", "g1"}, served
+
+            async def served_by(model: str, prompt: str) -> set[str]:
+                """The replicas that answered 12 requests with new prompts (every one must succeed)."""
+                replicas_seen = set()
+                for i in range(12):
+                    request = {"model": model, "prompt": prompt.format(i), "max_tokens": 2}
+                    async with http.post(f"{cluster.proxy_url}/v1/completions", json=request) as r:
+                        assert r.status == 200, await r.text()
+                        replicas_seen.add(r.headers["X-Proxy-Replica"])
+                return replicas_seen
+
+            assert (served := await served_by(f"{run}-v2", "{}+1=")) == {"g0", "g1"}, served
             print(f"\ncrash -> serving again: {back_after:.0f} s")
 
             # The generator actor itself dies. Ray restarts it (a fresh actor, no server), the old server
             # is ended by its watchdog, and the pool's look for restarted actors finds it and starts it
             # again: it registers anew, replacing the dead entry, and loads every live version first.
-            assert await cluster.restarted_generators() == []  # both up: nothing to do
+            assert await cluster.generators_to_mend() == {}  # both up: nothing to do
             g0 = cluster.generators["g0"]
             died = time.monotonic()
             ray.kill(g0, no_restart=False)
-            assert await wait_for("Ray to restart g0's actor", cluster.restarted_generators, 120) == ["g0"]
+            needs = await wait_for("Ray to restart g0's actor", cluster.generators_to_mend, 120)
+            assert needs == {"g0": "restarted"}
             status, text = await load(f"{run}-v3", v3)  # a sync meanwhile goes on without it
             assert status == 200, text
             await cluster.revive("g0")
@@ -121,13 +127,7 @@ async def test_a_killed_server_comes_back_caught_up_and_the_pool_shrinks_and_gro
             assert {f"{run}-v1", f"{run}-v2", f"{run}-v3"} <= set(g0_state["adapters_loaded"]), g0_state
             assert await g0.restart_count.remote() == 2  # its server's restart, then its actor's
             assert len(api_servers(marked_ray)) == 2  # the dead actor's server did not outlive it
-            served = set()
-            for i in range(12):
-                request = {"model": f"{run}-v3", "prompt": f"{i}+2=", "max_tokens": 2}
-                async with http.post(f"{cluster.proxy_url}/v1/completions", json=request) as r:
-                    assert r.status == 200, await r.text()
-                    served.add(r.headers["X-Proxy-Replica"])
-            assert served == {"g0", "g1"}, served
+            assert (served := await served_by(f"{run}-v3", "{}+2=")) == {"g0", "g1"}, served
 
             # Shrink: g1 leaves, drained; v2 keeps being served, by g0.
             await cluster.remove_generator("g1")

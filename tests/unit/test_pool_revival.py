@@ -18,9 +18,8 @@ class Cluster:
         self.revived: list[str] = []
         self.removed: list[str] = []
 
-    async def restarted_generators(self, spent: list) -> list[str]:
-        spent.extend(self.spent)
-        return list(self.restarted)
+    async def generators_to_mend(self) -> dict[str, str]:
+        return {**dict.fromkeys(self.restarted, "restarted"), **dict.fromkeys(self.spent, "spent")}
 
     async def revive(self, rid: str) -> None:
         if self.revive_fails:
@@ -33,7 +32,7 @@ class Cluster:
 
 
 async def settle(pool: PoolController) -> None:
-    await pool._revive_restarted()
+    await pool._mend()
     await asyncio.gather(*pool._tasks)
 
 
