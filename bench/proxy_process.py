@@ -8,6 +8,10 @@ benchmark's load generator would make the two share one Python thread, which no 
 
 `--passthrough` serves the floor instead: a do-nothing aiohttp forwarder to the one replica, the least
 any Python front pays for the extra hop (the overhead and capacity benchmarks put it beside ours).
+
+Both run as the ProxyActor does in production, and alike, so that the gap between the two is the proxy's
+own work: on uvloop (Ray runs an async actor's event loop on uvloop when it is installed, and vLLM
+installs it), with the start-up heap frozen (rl_cluster.proxy.heap).
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ import asyncio
 import json
 
 import aiohttp
+import uvloop
 from aiohttp import web
 
 from rl_cluster.config import ProxyConfig
+from rl_cluster.proxy.heap import freeze_startup_heap
 from rl_cluster.proxy.server import ProxyServer
 
 
@@ -67,7 +73,9 @@ async def main() -> None:
     parser.add_argument("--passthrough", action="store_true", help="the do-nothing floor (one replica)")
     args = parser.parse_args()
     if args.passthrough:
-        print(json.dumps(await passthrough(args.replicas[0].split("=", 1)[1].rstrip("/"))), flush=True)
+        url = await passthrough(args.replicas[0].split("=", 1)[1].rstrip("/"))
+        freeze_startup_heap()
+        print(json.dumps(url), flush=True)
         await asyncio.Event().wait()
     proxy = ProxyServer(proxy_config(args.policy))
     url = await proxy.start()
@@ -80,6 +88,7 @@ async def main() -> None:
         if all(r["capacity"] for r in proxy.stats()["replicas"].values()):
             break
         await asyncio.sleep(0.1)
+    freeze_startup_heap()
     print(json.dumps(url), flush=True)
     try:
         await asyncio.Event().wait()  # until the benchmark terminates this process
@@ -88,4 +97,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    uvloop.run(main())

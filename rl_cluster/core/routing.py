@@ -8,8 +8,6 @@ a prefix computed under `policy-v3` is worthless to a request for `policy-v4`.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 import struct
 from collections import OrderedDict
@@ -19,14 +17,7 @@ from typing import Any, Literal
 
 RouteReason = Literal["affinity", "spill", "unmatched"]
 RoutingPolicy = Literal["prefix", "round_robin", "least_loaded"]
-
-_DIGEST_BYTES = 8
-
-
-@functools.lru_cache(maxsize=1024)
-def _model_digest(model: str) -> bytes:
-    """The chain's seed: a few adapter names are live at a time, so it is computed once per name."""
-    return hashlib.blake2b(b"model\0" + model.encode(), digest_size=_DIGEST_BYTES).digest()
+_NOBODY: frozenset[str] = frozenset()
 
 
 def block_hashes(model: str, prompt: str | Sequence[int], block_size: int) -> list[int]:
@@ -36,24 +27,31 @@ def block_hashes(model: str, prompt: str | Sequence[int], block_size: int) -> li
     they share that prefix (and the model). A trailing partial block is hashed too: vLLM does not cache
     it, but it makes identical prompts (a GRPO group) share one more hash than prompts that only share
     their full blocks, which keeps a group together even when its prompt is shorter than one block.
+
+    The hashes are Python's own (SipHash on bytes and str, salted per process): the table that keeps
+    them lives in the same process, and nothing compares them across processes. It is a third of the
+    cost of a cryptographic digest per block, which was the largest part of routing a request; a
+    collision (2**-64 per pair) would only send a request to a replica without its prefix.
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    # Distinct prefixes for text and token prompts, so "12" as text never equals tokens [1, 2].
-    text = isinstance(prompt, str)
-    kind = b"t" if text else b"i"
-    # Token ids packed once, in C, as little-endian int64 (a Python loop per id was the proxy's
-    # second-largest cost per request); block i is then a slice. The chain carries digests as bytes.
-    packed = b"" if text else struct.pack(f"<{len(prompt)}q", *prompt)
-    previous = _model_digest(model)
+    if isinstance(prompt, str):
+        # Distinct seeds for text and token prompts, so "12" as text never equals tokens [1, 2].
+        previous, payload, width = hash(("t", model)), prompt, 1
+    else:
+        # Token ids packed once, in C, as little-endian int64 (a Python loop per id cost more than the
+        # hashing); block i is then a slice of `width` bytes per token. Packing also checks that every
+        # item is an int64: a list of anything else is routed by its canonical JSON text instead.
+        try:
+            payload = struct.pack(f"<{len(prompt)}q", *prompt)
+        except (struct.error, TypeError):
+            return block_hashes(model, json.dumps(prompt, sort_keys=True), block_size)
+        previous, width = hash(("i", model)), 8
+    step = block_size * width
     hashes = []
-    for start in range(0, len(prompt), block_size):
-        if text:
-            payload = prompt[start : start + block_size].encode()
-        else:
-            payload = packed[8 * start : 8 * (start + block_size)]
-        previous = hashlib.blake2b(previous + kind + payload, digest_size=_DIGEST_BYTES).digest()
-        hashes.append(int.from_bytes(previous, "little"))
+    for start in range(0, len(payload), step):
+        previous = hash((previous, payload[start : start + step]))
+        hashes.append(previous)
     return hashes
 
 
@@ -71,19 +69,9 @@ def request_prompt(body: Mapping[str, Any]) -> str | list[int]:
         prompt = prompt[0]
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and _all_ints(prompt):
-        return prompt
+    if isinstance(prompt, list):
+        return prompt  # token ids (block_hashes routes anything else in a list by its JSON)
     return json.dumps(prompt, sort_keys=True)  # something odd: still route it consistently
-
-
-def _all_ints(values: list) -> bool:
-    """Every item an int that block_hashes can pack (checked in C: a Python loop per token id cost more
-    than the hashing)."""
-    try:
-        struct.pack(f"<{len(values)}q", *values)
-    except struct.error:
-        return False
-    return True
 
 
 class PrefixTable:
@@ -102,9 +90,9 @@ class PrefixTable:
     def __len__(self) -> int:
         return len(self._holders)
 
-    def holders(self, block_hash: int) -> set[str]:
-        """Replicas recorded for this block (empty when unknown). Does not refresh recency."""
-        return self._holders.get(block_hash, set())
+    def holders(self, block_hash: int) -> frozenset[str] | set[str]:
+        """Replicas recorded for this block (empty when unknown). Does not refresh recency. Read only."""
+        return self._holders.get(block_hash, _NOBODY)
 
     def record(self, hashes: Iterable[int], replica_id: str) -> None:
         for block_hash in hashes:
@@ -145,11 +133,12 @@ def specific_matches(hashes: Sequence[int], table: PrefixTable, eligible: Iterab
     """
     eligible = set(eligible)
     counts = dict.fromkeys(eligible, 0)
+    several = len(eligible) > 1
     for block_hash in hashes:
         holders = table.holders(block_hash) & eligible
         if not holders:
             break
-        if holders == eligible and len(eligible) > 1:
+        if several and holders == eligible:
             continue
         for replica_id in holders:
             counts[replica_id] += 1
@@ -184,14 +173,18 @@ def choose_replica(
         raise ValueError("no eligible replica")
     served = served or {}
     sizes = {r: c for r, c in (capacity or {}).items() if r in in_flight and c is not None and c >= 1}
-    smallest = min(sizes.values(), default=1)
-
-    def relative(count: int, replica_id: str) -> float:
-        # One division of exact integers: equal ratios compare equal (no float drift breaks a tie).
-        return count * smallest / sizes.get(replica_id, smallest)
-
     # Per replica, once: (load, requests served, id), the order of "less loaded".
-    keys = {r: (relative(n, r), relative(served.get(r, 0), r), r) for r, n in in_flight.items()}
+    if len(set(sizes.values())) <= 1:
+        # Equal (or unknown) capacities, the usual pool: loads are the raw counts.
+        keys = {r: (n, served.get(r, 0), r) for r, n in in_flight.items()}
+    else:
+        smallest = min(sizes.values())
+
+        def relative(count: int, replica_id: str) -> float:
+            # One division of exact integers: equal ratios compare equal (no float drift breaks a tie).
+            return count * smallest / sizes.get(replica_id, smallest)
+
+        keys = {r: (relative(n, r), relative(served.get(r, 0), r), r) for r, n in in_flight.items()}
     least_loaded = min(keys, key=keys.__getitem__)
     if policy == "least_loaded":
         return RouteDecision(least_loaded, "unmatched", 0)

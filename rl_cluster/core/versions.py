@@ -36,13 +36,18 @@ class VersionBook:
         self._closed: set[str] = set()
         self._in_flight: Counter[tuple[str, str]] = Counter()
         self._in_flight_total: Counter[str] = Counter()
+        self._active: list[str] | None = None  # sorted active ids, kept until a state changes
+
+    def _set_state(self, replica_id: str, state: ReplicaState) -> None:
+        self._state[replica_id] = state
+        self._active = None
 
     # -- replicas -------------------------------------------------------------------------------------
 
     def add_replica(self, replica_id: str) -> None:
         if replica_id in self._state:
             raise ValueError(f"replica {replica_id!r} is already registered")
-        self._state[replica_id] = ReplicaState.JOINING
+        self._set_state(replica_id, ReplicaState.JOINING)
         self._loaded[replica_id] = set()
         self._ever_loaded[replica_id] = set()
 
@@ -54,27 +59,28 @@ class VersionBook:
         missing = self.routable() - self._loaded[replica_id]
         if missing:
             raise ValueError(f"replica {replica_id!r} cannot become active: it lacks {sorted(missing)}")
-        self._state[replica_id] = ReplicaState.ACTIVE
+        self._set_state(replica_id, ReplicaState.ACTIVE)
 
     def begin_catch_up(self, replica_id: str) -> None:
         """A joining replica starts loading the live adapters, or an unhealthy one answers again."""
         state = self._state[replica_id]
         if state not in (ReplicaState.JOINING, ReplicaState.UNHEALTHY):
             raise ValueError(f"replica {replica_id!r} is {state}: only joining or unhealthy ones catch up")
-        self._state[replica_id] = ReplicaState.CATCHING_UP
+        self._set_state(replica_id, ReplicaState.CATCHING_UP)
 
     def mark_unhealthy(self, replica_id: str) -> bool:
         """Take a failing replica out of routing; True if that changed its state. A draining replica stays
         draining (it is leaving anyway), and an unknown one (already gone) is ignored."""
         if self._state.get(replica_id) not in (ReplicaState.ACTIVE, ReplicaState.CATCHING_UP):
             return False
-        self._state[replica_id] = ReplicaState.UNHEALTHY
+        self._set_state(replica_id, ReplicaState.UNHEALTHY)
         return True
 
     def drain(self, replica_id: str) -> None:
-        self._state[replica_id] = ReplicaState.DRAINING
+        self._set_state(replica_id, ReplicaState.DRAINING)
 
     def remove_replica(self, replica_id: str) -> None:
+        self._active = None
         for table in (self._state, self._loaded, self._ever_loaded):
             table.pop(replica_id, None)
         for key in [k for k in self._in_flight if k[0] == replica_id]:
@@ -89,7 +95,10 @@ class VersionBook:
         return sorted(self._state)
 
     def active(self) -> list[str]:
-        return sorted(r for r, s in self._state.items() if s is ReplicaState.ACTIVE)
+        # Asked on every request (routing) and changed only by joins, failures and leaves: cached.
+        if self._active is None:
+            self._active = sorted(r for r, s in self._state.items() if s is ReplicaState.ACTIVE)
+        return list(self._active)
 
     def in_state(self, *states: ReplicaState) -> list[str]:
         return sorted(r for r, s in self._state.items() if s in states)

@@ -15,6 +15,7 @@ from pydantic import SecretStr
 
 from rl_cluster.config import ProxyConfig
 from rl_cluster.proxy.adapter_loader import AdapterLoader
+from rl_cluster.proxy.heap import freeze_startup_heap
 from rl_cluster.proxy.ray_metrics import EXPORT_INTERVAL_S, RayMetrics
 from rl_cluster.proxy.server import ProxyServer
 
@@ -48,6 +49,7 @@ class ProxyActor:
     async def start(self) -> str:
         """Start serving; returns the proxy's base URL."""
         url = await self._server.start()
+        freeze_startup_heap()  # this process serves the proxy alone: its collector may be tuned for it
         self._exporter = asyncio.get_running_loop().create_task(self._export_metrics())
         return url
 

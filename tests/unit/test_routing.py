@@ -39,6 +39,13 @@ def test_text_and_token_prompts_never_collide():
     assert block_hashes("m", "", 16) == []
 
 
+def test_a_list_that_is_not_token_ids_still_routes_consistently():
+    odd = [1.5, "x", None, [2]] * 10  # valid JSON a client may send; vLLM will refuse it, the proxy routes it
+    assert block_hashes("m", odd, 16) == block_hashes("m", list(odd), 16)
+    assert block_hashes("m", odd, 16) != block_hashes("m", odd[:-1] + [[3]], 16)
+    assert block_hashes("m", [2**63], 16) == block_hashes("m", [2**63], 16)  # beyond int64: no crash
+
+
 def test_adapter_versions_never_share_prefix_entries():
     prompt = list(range(64))
     v3, v4 = block_hashes("policy-v3", prompt, 16), block_hashes("policy-v4", prompt, 16)

@@ -157,3 +157,20 @@ def test_unhealthy_replica_does_not_block_publication():
     book.mark_loaded("r1", "v1")
     book.activate("r1")
     assert book.eligible("v1") == ["r0", "r1"]
+
+
+def test_active_list_follows_every_state_change_and_is_the_callers_own():
+    book = book_with("r0", "r1")
+    mine = book.active()
+    mine.append("intruder")  # a caller's list: changing it changes nothing in the book
+    assert book.active() == ["r0", "r1"]
+    book.mark_unhealthy("r1")
+    assert book.active() == ["r0"]
+    book.begin_catch_up("r1")
+    book.activate("r1")
+    book.add_replica("r2")
+    assert book.active() == ["r0", "r1"]
+    book.drain("r0")
+    assert book.active() == ["r1"]
+    book.remove_replica("r1")
+    assert book.active() == [] and book.eligible(None) == []
