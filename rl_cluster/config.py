@@ -150,7 +150,10 @@ class TrainerConfig(Section):
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (saves memory on long contexts)."""
     token_budget: int = 0
-    """Tokens per packed micro-batch row; 0 trains a fixed batch of completions_per_step samples."""
+    """Most tokens one forward of the trainer holds (peak memory): a step's completions_per_step samples
+    are packed into rows of at most token_budget unique tokens, one forward and backward each, gradients
+    accumulated into the step's one update; 0 trains the step's samples in one forward. At least
+    model.max_model_len."""
     num_cpus: float = Field(1.0, ge=0)
     """CPUs the trainer actor reserves (Ray sets OMP_NUM_THREADS from it)."""
     num_gpus: float = Field(0.0, ge=0)

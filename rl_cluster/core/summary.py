@@ -25,6 +25,9 @@ def step_record(step: int, logs: dict, policy_version: int, handoff_s: float | N
         "rollout_wait_s": logs.get("perf/rollout_wait_s"),
         "trained_tok_s": logs.get("perf/trained_tok_s_wall_clock"),
         "generated_tok_s": logs.get("rollout/generated_tok_s"),
+        # What the step trained: completions_per_step samples, in as many forwards as token_budget needs.
+        "samples": logs.get("batch/samples_per_step"),
+        "microbatches": logs.get("batch/microbatches_per_step"),
     }
 
 

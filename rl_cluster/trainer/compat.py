@@ -58,6 +58,15 @@ unpatched code fails on a CPU machine) and that the replacement is correct.
    `truncated` (one bool per completion) by TRL's own rule for its `completions/clipped_ratio`: the
    completion does not end on an EOS or pad token. Reward functions take `**kwargs`; the math graders
    score a truncated completion 0.
+16. With `token_budget > 0`, TRL's `TokenBudgetBatcher` makes each optimizer step one micro-batch
+   filled to `token_budget` unique tokens, however many samples that is (gradient accumulation 1), and
+   closes it only on pulling the next sample, the one that does not fit. Admission (item 10) lets
+   `completions_per_step` samples per step be generated: a micro-batch that needs more than the window
+   holds, or just the one pulled ahead of it, is never completed, and the trainer waits for ever (the
+   recipes' 16,384 tokens; 1,024 too on the tiny model, in lockstep as in async mode). The loader of
+   `rl_cluster.trainer.batching` replaces it: a step is exactly `completions_per_step` samples, pulled
+   without look-ahead and packed into rows of at most `token_budget` tokens, trained as gradient
+   accumulation within the one optimizer step.
 """
 
 from __future__ import annotations

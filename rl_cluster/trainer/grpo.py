@@ -28,6 +28,7 @@ from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer, sav
 from rl_cluster.bucket import Bucket
 from rl_cluster.core.admission import AdmissionWindow
 from rl_cluster.core.manifest import adapter_dir_name, split_adapter_dir_name
+from rl_cluster.trainer.batching import PackedStepsMixin, packed_steps
 from rl_cluster.trainer.compat import (
     TrainerPosition,
     bound_score_queue,
@@ -39,7 +40,7 @@ from rl_cluster.trainer.compat import (
 from rl_cluster.trainer.proxy_client import ProxyClient
 
 
-class BucketSyncTrainer(AsyncGRPOTrainer):
+class BucketSyncTrainer(PackedStepsMixin, AsyncGRPOTrainer):
     def __init__(
         self,
         *args,
@@ -92,7 +93,14 @@ class BucketSyncTrainer(AsyncGRPOTrainer):
             self.on_sample(sample, self.model_version, not stale)
 
     def get_train_dataloader(self):
-        return without_lookahead(super().get_train_dataloader(), self.accelerator)
+        prepared = super().get_train_dataloader()
+        if self.args.token_budget:
+            # compat item 16: a step is completions_per_step samples, as admission counts them; the budget
+            # bounds each packed row. Pulls no sample ahead either (item 11).
+            return packed_steps(
+                prepared, self.accelerator, self.args.per_device_train_batch_size, self.args.token_budget
+            )
+        return without_lookahead(prepared, self.accelerator)
 
     def group_counts(self) -> dict:
         """Groups by fate: `generated` (scored by the rollout loop), `trained`, `dropped_stale`, `failed`

@@ -112,12 +112,14 @@ def test_eval_pass_at_1_rises_on_the_tiny_math_task(tmp_path):
 
 # Sizes a 2-core CPU can run on the tiny model; everything else (task, prompts, grader, optimiser,
 # staleness, eval settings) is the recipe's own, but for a sync every 2 steps (not 4) so that two steps
-# end on a sync and the eval at step 2 measures their policy, and without token-budget packing: with TRL
-# 1.16 a step then trains one micro-batch filled to token_budget unique tokens, whatever
-# completions_per_step says, and rows of 24-token completions never filled (16,384 nor 1,024 tokens)
-# from what the admission window lets generate: the trainer waited for ever (seen here).
+# end on a sync and the eval at step 2 measures their policy. The recipes pack rows (token_budget), here
+# 1,024 tokens for one recipe and 256 (the context, the least allowed) for the other. With TRL's own
+# batcher 1,024 tokens held about 83 of the tiny model's samples (they share the chat template; ~12 new
+# tokens each), five steps' worth, and the trainer waited for samples admission never allowed; each step
+# now trains its 16 (compat item 16): in one row under 1,024 tokens, in several under 256.
+BUDGETS = {"qwen25_math_1p5b": 1024, "deepseek_r1_distill_qwen_1p5b": 256}
 CPU_SIZED = [
-    "model.dtype=float32", "model.max_model_len=256", "trainer.max_new_tokens=24", "trainer.token_budget=0",
+    "model.dtype=float32", "model.max_model_len=256", "trainer.max_new_tokens=24",
     "trainer.completions_per_step=16", "trainer.num_cpus=1", "trainer.num_gpus=0", "generator.replicas=1",
     "generator.num_gpus=0", "generator.pin_cpu_cores=true", "generator.kv_cache_gb=1", "eval.max_problems=8",
     "eval.every_steps=2", "trainer.max_steps=2", "trainer.sync_every=2", "cluster.address=local",
@@ -136,6 +138,7 @@ def test_each_reference_recipe_runs_two_steps_on_the_tiny_model(recipe, tmp_path
         f'task.data_files={{ train = ["{files["train"]["parquet"]}"], test = ["{files["test"]["parquet"]}"] }}',
         f"bucket.uri={tmp_path / 'bucket'}",
         *CPU_SIZED,  # the prepared data's key follows the prompt limit, so prepare sees them too
+        f"trainer.token_budget={BUDGETS[recipe]}",
     ]
     prepare = subprocess.run([sys.executable, "-m", "rl_cluster.data", "prepare", "--config", config, *overrides],
                              cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -146,6 +149,14 @@ def test_each_reference_recipe_runs_two_steps_on_the_tiny_model(recipe, tmp_path
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
     summary = json.loads((tmp_path / "bucket" / f"{recipe}-tiny" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["steps"] == 2
+    records = [json.loads(line) for line in (tmp_path / "bucket" / f"{recipe}-tiny" / "metrics.jsonl").open()]
+    steps = [r for r in records if r.get("kind") != "eval"]
+    print(
+        f"{recipe}: samples per step {[r['samples'] for r in steps]}, rows {[r['microbatches'] for r in steps]}"
+    )
+    assert [round(r["samples"]) for r in steps] == [16, 16]  # completions_per_step, packed under the budget
+    if BUDGETS[recipe] == 256:  # two groups of 8 never fit one 256-token row: the step accumulates rows
+        assert all(r["microbatches"] >= 2 for r in steps), steps
     assert summary["groups"]["trained"] == 2 * 2 and summary["groups"]["failed"] == 0, summary["groups"]
     assert [e["step"] for e in summary["eval"]["steps"]] == [0, 2]
     assert summary["eval"]["last"]["problems"] == 8 and summary["eval"]["last"]["failed"] == 0

@@ -23,7 +23,7 @@ from trl.trainer.utils import get_peak_flops_per_device as trl_peak_flops
 from rl_cluster.core.admission import AdmissionWindow
 from rl_cluster.core.rewards import arithmetic_reward
 from rl_cluster.tiny import make_prompts
-from rl_cluster.trainer import compat
+from rl_cluster.trainer import batching, compat
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="shows what fails on a CPU-only machine")
 
@@ -381,3 +381,119 @@ def test_a_daemon_child_outlives_a_killed_parent_unless_it_watches(watch):
     finally:
         if _alive(child_pid):
             os.kill(child_pid, signal.SIGKILL)
+
+
+def _rollout_samples(groups: int, group_size: int = 4, prompt: int = 10, completion: int = 6):
+    """Samples as TRL's RolloutQueueDataset yields them: a group's samples share their prompt."""
+    for g in range(groups):
+        for s in range(group_size):
+            ids = [1000 + g] * prompt + [100 * (s + 1) + t for t in range(completion)]
+            yield {
+                "input_ids": torch.tensor(ids),
+                "completion_mask": torch.tensor([0] * prompt + [1] * completion),
+                "old_log_probs": torch.full((prompt + completion,), -1.0),
+                "advantage": float(s) - 1.5,
+                "group_id": g,
+                "metrics": {"reward": float(s)},
+            }
+
+
+class _Pulls:
+    """A finite sample source that counts what was pulled from it."""
+
+    def __init__(self, samples):
+        self.samples, self.pulled = list(samples), 0
+
+    def __iter__(self):
+        for sample in self.samples:
+            self.pulled += 1
+            yield sample
+
+
+STEP, BUDGET = 8, 64  # a group of 4 costs 10 + 4 * 6 + 3 = 37 unique tokens (24 trained): 1 group per row
+
+
+def test_trl_token_budget_batcher_ignores_the_step_size_and_pulls_ahead():
+    """Item 16: given exactly one step's samples, TRL's batcher yields no step at all (it closes a
+    micro-batch only on a sample that does not fit); with more it yields micro-batches of whatever fills
+    the budget, each after pulling one sample past it. Admission lets only the step's samples be
+    generated, so the trainer waits for ever."""
+    metrics = {"batch/dropped_oversize_total": []}
+    source = _Pulls(_rollout_samples(groups=STEP // 4))
+    assert list(async_grpo_trainer.TokenBudgetBatcher(source, 1, 10_000, metrics)) == []
+    assert source.pulled == STEP  # the step's samples, all pulled, and no step to train
+
+    source = _Pulls(_rollout_samples(groups=4 * STEP // 4))
+    (row,) = next(iter(async_grpo_trainer.TokenBudgetBatcher(source, 1, BUDGET, metrics)))
+    assert len(row.samples) == 6 and source.pulled == 7  # not a step's 8; one pulled past the micro-batch
+    source = _Pulls(_rollout_samples(groups=4 * STEP // 4))
+    (row,) = next(iter(async_grpo_trainer.TokenBudgetBatcher(source, 1, 200, metrics)))
+    assert len(row.samples) == 20 and source.pulled == 21
+
+
+def test_step_packer_yields_each_step_exactly_within_the_budget():
+    """Item 16: each item is one step of exactly `samples_per_step` samples, pulled without look-ahead,
+    in rows of at most `token_budget` unique and trained tokens, a group's samples together."""
+    source = _Pulls(_rollout_samples(groups=3 * STEP // 4))
+    steps = iter(batching.StepPacker(source, STEP, BUDGET))
+    for k in range(1, 4):
+        rows = next(steps)
+        assert source.pulled == k * STEP
+        assert sum(len(row.samples) for row in rows) == STEP
+        assert len(rows) == 2 and all(len(row.groups) == 1 for row in rows)
+        assert all(len(row.tokens) <= BUDGET and row.trained <= BUDGET for row in rows)
+    # A budget that holds the whole step packs it into one row: prompts shared, no copy of a sample.
+    (row,) = batching.pack_rows(list(_rollout_samples(groups=2)), token_budget=10_000)
+    assert len(row.samples) == STEP and len(row.tokens) == 2 * (10 + 4 * 6 + 3)  # + a token per fork
+    with pytest.raises(ValueError, match="exceeds trainer.token_budget=12"):
+        batching.pack_rows(list(_rollout_samples(groups=1)), token_budget=12)
+
+
+def test_packed_step_rows_go_through_trls_collator_with_the_steps_token_count():
+    """The rows of a step become micro-batches of TRL's own collator, each told the step's trained
+    tokens (48 = 8 samples x 6) beside its own (24)."""
+    collate = async_grpo_trainer.DataCollatorForRollout(pad_token_id=0)
+    step = batching.collate_step(next(iter(batching.StepPacker(_rollout_samples(2), STEP, BUDGET))), collate)
+    micro_batches = step[batching.MICRO_BATCHES]
+    assert [float(b["global_n_tokens"][0]) for b in micro_batches] == [24.0, 24.0]
+    assert [float(b[batching.STEP_TOKENS][0]) for b in micro_batches] == [48.0, 48.0]
+    assert collate.groups_trained == {0, 1}
+
+
+class _TokenMeanTrainer:
+    """TRL's loss normalisation (compute_loss): a micro-batch's summed token losses over its own trained
+    tokens, backward in training_step."""
+
+    def __init__(self):
+        from accelerate import Accelerator
+
+        self.accelerator = Accelerator(cpu=True)
+        self.weight = torch.zeros((), requires_grad=True)
+        self.micro_batches = 0
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return (inputs["x"] * self.weight).sum() / inputs["global_n_tokens"][0]
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.micro_batches += 1
+        loss = self.compute_loss(model, inputs)
+        loss.backward()
+        return loss.detach()
+
+
+class _PackedTrainer(batching.PackedStepsMixin, _TokenMeanTrainer):
+    pass
+
+
+def test_a_packed_step_trains_its_rows_as_one_token_mean():
+    """The rows of one step are accumulated into one gradient, the step's token mean (as if all of its
+    samples were one micro-batch), whatever the rows' sizes."""
+    tokens = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0])]
+    micro_batches = [
+        {"x": x, "global_n_tokens": torch.tensor([float(len(x))]), batching.STEP_TOKENS: torch.tensor([4.0])}
+        for x in tokens
+    ]
+    trainer = _PackedTrainer()
+    loss = trainer.training_step(torch.nn.Linear(1, 1), {batching.MICRO_BATCHES: micro_batches})
+    assert trainer.micro_batches == 2
+    assert trainer.weight.grad.item() == pytest.approx(16.0 / 4) and loss.item() == pytest.approx(0.0)
