@@ -23,6 +23,7 @@ from bench.handoff import VerifyingControl
 from rl_cluster.bucket import Bucket
 from rl_cluster.cluster import runtime_env
 from rl_cluster.config import load_config
+from rl_cluster.core.summary import trainer_idle
 from rl_cluster.models import model_fingerprint
 
 DEMO_CONFIG = REPO / "jobs" / "configs" / "cpu_demo.toml"
@@ -115,7 +116,7 @@ def measures(result: dict, completions_per_step: int) -> dict:
         "steps": len(result["history"]),
         "mean_step_s": sum(step_s) / len(step_s),
         "steps_per_hour": 3600 * len(step_s) / sum(step_s),
-        "trainer_idle": sum(wait_s) / sum(step_s),
+        "trainer_idle": trainer_idle(result["history"]),
         "generator_idle": result["generator_idle"],
         "dropped_share": dropped / (dropped + trained),
         "rollout_wait_s": sum(wait_s) / len(wait_s),

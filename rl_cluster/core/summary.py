@@ -63,6 +63,15 @@ def fifths(values: list[float]) -> tuple[float | None, float | None]:
     return finite_mean(values[:k]), finite_mean(values[-k:])
 
 
+def trainer_idle(history: list[dict]) -> float | None:
+    """Share of the trainer's step time spent waiting for rollouts. Over the steps TRL timed: a run's
+    first step (and a resumed run's) has no step time, and its wait is start-up, not the run's balance.
+    None without timings."""
+    timed = [r for r in history if r.get("step_s")]
+    total = sum(r["step_s"] for r in timed)
+    return sum(r["rollout_wait_s"] or 0.0 for r in timed) / total if total > 0 else None
+
+
 def summarize(
     trainer_result: dict,
     proxy_stats: dict,
@@ -96,6 +105,7 @@ def summarize(
         "dropped_stale_samples": int(sum(r["dropped_stale"] for r in history)),
         "groups": trainer_result.get("groups", {}),
         "mean_staleness": finite_mean([r["staleness"] for r in history]),
+        "trainer_idle": trainer_idle(history),
         "routing": proxy_stats.get("routing", {}),
         "checkpoints": trainer_result.get("checkpoints", []),
         "placement": placement or {},
@@ -128,6 +138,13 @@ def _groups_line(groups: dict) -> str:
     )
 
 
+def _routing_line(routing: dict) -> str:
+    total = sum(routing.values())
+    if not total:
+        return "-"
+    return ", ".join(f"{routing[reason]} {reason} ({routing[reason] / total:.1%})" for reason in routing)
+
+
 def summary_table(summary: dict) -> str:
     rows = [
         ("status", summary["status"] + (f": {summary['error']}" if summary.get("error") else "")),
@@ -144,6 +161,8 @@ def summary_table(summary: dict) -> str:
         ("dropped stale samples", summary["dropped_stale_samples"]),
         ("groups", _groups_line(summary.get("groups") or {})),
         ("mean staleness", _fmt(summary["mean_staleness"], ".2f")),
+        ("trainer idle", _fmt(summary.get("trainer_idle"), ".1%") + " of step time waiting for rollouts"),
+        ("routing", _routing_line(summary.get("routing") or {})),
     ]
     evaluated = summary.get("eval")
     if evaluated:

@@ -49,8 +49,23 @@ def test_summary_has_the_documented_fields():
     assert s["handoff_s_p50"] == 0.3
     assert s["dropped_stale_samples"] == 20
     assert s["routing"]["affinity"] == 5
+    assert s["trainer_idle"] is None  # no step timings in this history
     table = summary_table(s)
     assert "reward, last fifth     0.600" in table and "replica g1" in table
+    assert "routing                5 affinity (62.5%), 1 spill (12.5%), 2 unmatched (25.0%)" in table
+    assert "trainer idle           - of step time" in table
+
+
+def test_trainer_idle_is_the_share_of_step_time_spent_waiting_over_timed_steps():
+    logs = [{"perf/rollout_wait_s": 8.0}]  # step 1: start-up, which TRL does not time: left out
+    logs += [
+        {"perf/step_s": 2.0, "perf/rollout_wait_s": 0.5},
+        {"perf/step_s": 2.0, "perf/rollout_wait_s": 0.0},
+    ]
+    records = [step_record(i + 1, log, i, None) for i, log in enumerate(logs)]
+    s = summarize({"history": records, "syncs": []}, {}, 20.0)
+    assert s["trainer_idle"] == 0.125
+    assert "trainer idle           12.5% of step time waiting for rollouts" in summary_table(s)
 
 
 def test_a_run_that_did_not_finish_is_summarised_with_what_it_did():
