@@ -142,6 +142,7 @@ def goal(runs: dict[str, dict[str, list[dict]]]) -> dict[str, dict]:
         ours, floor, router = by_path[OURS], by_path[FLOOR], by_path.get(ROUTER)
         floor_ratios = ratios(ours, floor)
         gaps = [o["p50_ms"] - f["p50_ms"] for o, f in zip(ours, floor, strict=True)]
+        router_ratios = None if router is None else ratios(ours, router)
         ratio, gap = median(floor_ratios), median(gaps)
         verdicts[load] = {
             "throughput_vs_floor": ratio,
@@ -149,8 +150,8 @@ def goal(runs: dict[str, dict[str, list[dict]]]) -> dict[str, dict]:
             "p50_vs_floor_ms": gap,
             "p50_vs_floor_ms_middle": middle_half(gaps),
             "within_floor": ratio >= 0.98 and gap <= 0.5,
-            "throughput_vs_router": None if router is None else median(ratios(ours, router)),
-            "throughput_vs_router_middle": None if router is None else middle_half(ratios(ours, router)),
+            "throughput_vs_router": None if router is None else median(router_ratios),
+            "throughput_vs_router_middle": None if router is None else middle_half(router_ratios),
         }
     return verdicts
 

@@ -133,8 +133,8 @@ def overhead_section(r: dict) -> str:
             "rounds that alternate the paths (so that other users' load on this shared machine hits all paths "
             "alike). *aiohttp pass-through*: a do-nothing forwarder in its own process "
             "(`bench/proxy_process.py --passthrough`, a dozen lines), the floor any Python front pays for "
-            "the extra hop here. Both it and our proxy run on uvloop, as the ProxyActor does in a run (Ray "
-            "runs async actors on uvloop). Ratios and added latencies are medians over rounds of the path against "
+            "the extra hop here. Both it and our proxy run as the ProxyActor does in a run: on uvloop (Ray "
+            "runs async actors on it), with the start-up heap frozen (`rl_cluster/proxy/heap.py`). Ratios and added latencies are medians over rounds of the path against "
             "direct (or the pass-through) in the same round; differences of a few tenths of a millisecond "
             "are within this machine's noise (a negative value means just that).",
             table(header, rows),

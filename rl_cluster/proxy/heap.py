@@ -4,8 +4,8 @@ Measured on the capacity benchmark's load (bench/capacity.py: 64 connections, 8 
 default collector took about a tenth of the proxy's CPU: every in-flight request keeps a few hundred
 container objects alive (coroutines, futures, headers, the parsed body), so a young-generation pass,
 which the default threshold of 700 net allocations starts every two or three requests, walks thousands
-of live objects each time, and every full pass walks the ~55,000 objects of the imports (pydantic, Ray,
-aiohttp) as well. `freeze_startup_heap` moves what exists after start-up out of the collector's sight
+of live objects each time, and every full pass walks the ~55,000 objects of the imports (pydantic,
+aiohttp; Ray's too, in the actor) as well. `freeze_startup_heap` moves what exists after start-up out of the collector's sight
 (`gc.freeze`, vLLM's `freeze_gc_heap`) and starts young passes every 10,000 net allocations. Reference
 counting still frees everything acyclic at once; cycles wait a little longer, a few MB at most.
 """

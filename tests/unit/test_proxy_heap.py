@@ -1,5 +1,6 @@
 """The proxy process's collector settings (rl_cluster.proxy.heap), in a child process: they are process-wide."""
 
+import json
 import subprocess
 import sys
 
@@ -14,7 +15,6 @@ def test_freeze_startup_heap_hides_startup_objects_and_spaces_young_passes():
         "print(json.dumps([before, gc.get_freeze_count(), gc.get_threshold(), YOUNG_THRESHOLD]))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    import json
 
     (frozen_before, threshold_before), frozen, threshold, young = json.loads(out)
     assert frozen_before == 0 and frozen > 10_000  # the imports' objects no longer walked by full passes
