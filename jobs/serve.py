@@ -5,38 +5,17 @@
 Joins a running Ray cluster if there is one, else starts a local one; starts the configured vLLM
 generators and the proxy, prints `proxy listening on http://HOST:PORT` (and, when proxy.auth_token is
 unset, the file holding the generated control-route token), and serves until SIGINT or SIGTERM. Then it
-stops every vLLM server and actor it started and leaves Ray.
+stops every vLLM server and actor it started and leaves Ray. The same as `rl-cluster serve`; a config
+that does not load is one line per problem and exit status 2.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import sys
 
-from rl_cluster.config import load_config
-
-
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--config", required=True, help="run TOML under jobs/configs/")
-    parser.add_argument("--port", type=int, help="port the proxy binds (overrides proxy.port)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. generator.replicas=1")
-    # Intermixed: overrides may come before and after --port.
-    return parser.parse_intermixed_args(argv)
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    overrides = list(args.overrides) + ([f"proxy.port={args.port}"] if args.port is not None else [])
-    config = load_config(args.config, overrides)
-    from rl_cluster.run import serve
-
-    asyncio.run(serve(config))
-    return 0
-
+from rl_cluster.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The same command as `rl-cluster serve`, whose arguments are defined once (rl_cluster.commands); this
+    # script stays for `ray job submit`, where the console script may not be installed.
+    sys.exit(main(["serve", *sys.argv[1:]]))

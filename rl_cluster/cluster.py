@@ -56,6 +56,25 @@ class RunSecrets:
         return cls(replica_key=secrets.token_urlsafe(32), proxy_token=token)
 
 
+def write_private_file(path: str, text: str) -> None:
+    """Write `text` to `path`, leaving a file only its owner can read (0600), whatever was there before.
+
+    Opening an existing file keeps its old mode (a 0644 one stays world-readable) and follows a symlink
+    planted at the path, so the text goes to a fresh file (mkstemp makes it 0600) renamed over the path.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
 def runtime_env() -> dict:
     return {
         "env_vars": {
@@ -97,11 +116,6 @@ def connect(config: RunConfig) -> bool:
         runtime_env=env,
     )
     return True
-
-
-def node_placement() -> dict:
-    """Where the calling process runs: its node's address and id (for summary.json's `placement`)."""
-    return {"address": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id()}
 
 
 def proxy_options() -> dict:
@@ -272,6 +286,7 @@ async def launch(
         auth_token=secrets.proxy_token,
         loopback=loopback,
         run_name=config.run_name,
+        max_model_len=config.model.max_model_len,
     )
     cluster = Cluster(
         config=config,

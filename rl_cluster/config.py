@@ -260,6 +260,10 @@ class ProxyConfig(Section):
     """Largest request body accepted."""
     max_n: int = Field(128, ge=1)
     """Largest `n` (samples per request) a generation request may ask for; more is refused with 400."""
+    max_sequences_per_request: int = Field(1024, ge=1)
+    """Most sequences one generation request may ask for: its prompts times `n` (a chat request is one
+    prompt); more is refused with 400. vLLM takes up to 1,024 prompts, so `max_n` alone lets one request
+    queue 1,024 x `max_n` sequences. At least `max_n`."""
     health_interval_s: float = Field(5.0, gt=0)
     """Seconds between health checks of the replicas (GET /health). A replica that fails one leaves
     routing at once; when it answers again it reloads every live adapter version before it takes traffic."""
@@ -272,6 +276,15 @@ class ProxyConfig(Section):
     600 s request timeout, so the proxy's answer, not a client timeout, is what the run reports."""
     num_cpus: float = Field(0.0, ge=0)
     """CPUs the proxy actor reserves."""
+
+    @model_validator(mode="after")
+    def _n_fits_a_request(self) -> ProxyConfig:
+        if self.max_n > self.max_sequences_per_request:
+            raise ValueError(
+                f"proxy.max_n={self.max_n} exceeds proxy.max_sequences_per_request="
+                f"{self.max_sequences_per_request}: a one-prompt request with n = max_n would be refused"
+            )
+        return self
 
 
 class BucketConfig(Section):

@@ -26,3 +26,33 @@ class ReplicaDown(AdapterError):
 
 class BucketUnavailable(Exception):
     """The bucket could not be reached after bounded retries."""
+
+
+class RunRefused(Exception):
+    """A run was refused before it started anything. The message is one line for whoever started it;
+    `exit_status` is what the driver exits with (2: the run did not run)."""
+
+    exit_status = 2
+
+
+class LeaseHeld(RunRefused):
+    """Another driver holds the run's lease, and it is live: one driver per run name."""
+
+
+class LeaseLost(Exception):
+    """This driver no longer holds its run's lease: taken over after it expired, deleted, or not renewed
+    in time. The run must stop writing."""
+
+
+class UsageError(RunRefused):
+    """An expected failure of a command before it starts anything (a config that does not load, data not
+    prepared, a run that is not there, a bucket that cannot be reached): each argument is one line saying
+    what to fix. Entry points (rl_cluster.cli.guarded) print the lines, no traceback unless --debug, and
+    exit with `exit_status` 2."""
+
+    def __init__(self, *lines: str):
+        super().__init__(*lines)
+        self.lines = list(lines)
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines)

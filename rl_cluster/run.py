@@ -24,6 +24,7 @@ from collections.abc import Awaitable
 
 from rl_cluster.config import RunConfig
 from rl_cluster.core.summary import NEVER_DEDUPLICATED, exit_status, summarize, summary_table
+from rl_cluster.errors import RunRefused
 
 # Read by Ray when it is imported (below, inside the functions): every progress line reaches the logs.
 os.environ.setdefault("RAY_DEDUP_LOGS_ALLOW_REGEX", NEVER_DEDUPLICATED)
@@ -67,7 +68,7 @@ async def _bounded(awaitable: Awaitable, default):
 
 def check_fresh_run_name(bucket, run_name: str) -> None:
     if bucket.list_versions(run_name, run_name):
-        raise SystemExit(
+        raise RunRefused(
             f"{bucket.run_uri(run_name)} already holds adapters of a run named {run_name!r}: adapter names are "
             "never reused (vLLM keys its prefix cache by name). Pick another run_name."
         )
@@ -79,7 +80,7 @@ def log_dir_for(config: RunConfig) -> str:
 
 def check_resumable(bucket, run_name: str) -> None:
     if not bucket.list_checkpoints(run_name):
-        raise SystemExit(
+        raise RunRefused(
             f"{bucket.run_uri(run_name)} holds no checkpoint of a run named {run_name!r}: nothing to resume "
             "(a run makes checkpoints with trainer.checkpoint_every > 0). Check the name and bucket.uri."
         )
@@ -87,16 +88,32 @@ def check_resumable(bucket, run_name: str) -> None:
 
 async def train(config: RunConfig, resume: bool = False) -> dict:
     """Launch the generators and the proxy, train, summarise, stop everything. Never leaves a process.
-    `resume`: continue the run named config.run_name from its newest verified checkpoint."""
+    `resume`: continue the run named config.run_name from its newest verified checkpoint.
+
+    First of all the run's lease (rl_cluster/bucket/lease.py): LeaseHeld while another driver runs this
+    run_name, before Ray or anything else starts. It is renewed while the run lives and released however
+    the run ends; a driver whose lease is taken over stops its run as failed."""
+    from rl_cluster.bucket import Bucket
+
+    bucket = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url)
+    lease = bucket.run_lease(config.run_name)
+    lease.acquire()  # before the checks in _train: they are check-then-act, safe only under the lease
+    loop, run = asyncio.get_running_loop(), asyncio.current_task()
+    lease.start_renewing(lambda why: loop.call_soon_threadsafe(_cancel_once(run)))
+    try:
+        return await _train(config, bucket, lease, resume)
+    finally:
+        lease.release()
+
+
+async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
     import ray
 
-    from rl_cluster.bucket import Bucket
     from rl_cluster.cluster import RunSecrets, connect, launch
     from rl_cluster.plots import curves_png
     from rl_cluster.pool import start_pool
     from rl_cluster.trainer.actor import TrainerActor
 
-    bucket = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url)
     if resume:
         check_resumable(bucket, config.run_name)
     else:
@@ -137,8 +154,14 @@ async def train(config: RunConfig, resume: bool = False) -> dict:
         result = await cluster.trainer.train.remote(resume=resume)
     except asyncio.CancelledError:
         asyncio.current_task().uncancel()  # the stop is handled here; the cleanup's awaits must run
-        status = "stopped"
-        print(f"\nrun {config.run_name}: stop requested; collecting what it did, then stopping", flush=True)
+        if lease.lost is None:
+            status = "stopped"
+            print(
+                f"\nrun {config.run_name}: stop requested; collecting what it did, then stopping", flush=True
+            )
+        else:
+            status, error = "failed", f"LeaseLost: {lease.lost}"
+            print(f"\nrun {config.run_name} failed: {error}; stopping", flush=True)
     except Exception as e:
         status, error = "failed", f"{type(e).__name__}: {e}"
         print(f"\nrun {config.run_name} failed: {error}", flush=True)
@@ -215,9 +238,9 @@ def trainer_restarts(trainer) -> int | None:
 
 
 def train_main(config: RunConfig, resume: bool = False) -> int:
-    summary = asyncio.run(train(config, resume=resume))
+    summary = asyncio.run(train(config, resume=resume))  # RunRefused: rl_cluster.cli makes it exit 2
     code = exit_status(summary, config.check.tolerance)
-    if code == 2:
+    if code == 3:
         print(
             f"FAILED: served-vs-trained logprob gap {summary['served_vs_trained_gap']} exceeds "
             f"{config.check.tolerance}",
@@ -267,9 +290,8 @@ async def serve(config: RunConfig) -> None:
 
 def write_token_file(run_name: str, token: str) -> str:
     """A generated proxy token goes into a file only its owner can read, never onto the terminal."""
+    from rl_cluster.cluster import write_private_file
+
     path = os.path.abspath(os.path.join(".cache", "tokens", run_name))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
+    write_private_file(path, token + "\n")  # 0600 even where an older file had another mode
     return path

@@ -15,6 +15,9 @@ Readers trust nothing else: `fetch_verified` checks the manifest against the bas
 replica's max LoRA rank before any file is hashed or downloaded, then every file (size, sha256) before
 a path is handed to vLLM; `fetch_checkpoint` checks a checkpoint the same way before a trainer resumes.
 
+`<bucket>/<run_name>/lease.json` says which driver runs the run now (`lease.py`): a driver takes it
+before it starts anything and is refused while another one holds it, so one driver at a time writes a run.
+
 Every bucket operation is retried a bounded number of times with exponential backoff; when the bucket
 stays unreachable the caller gets BucketUnavailable naming the URI and the last error.
 """
@@ -39,10 +42,12 @@ from rl_cluster.bucket.layout import (
     adapter_rel,
     checkpoint_rel,
     flat_files,
+    lease_rel,
     plain,
     run_file_rel,
     shard_rel,
 )
+from rl_cluster.bucket.lease import LEASE_TTL_S, RunLease
 from rl_cluster.bucket.s3 import S3Store
 from rl_cluster.bucket.store import Manifest, RetryPolicy, Store
 from rl_cluster.core.experience import EXPERIENCE_DIR, SHARD_FILE, build_shard_manifest, parse_shard_dir_name
@@ -117,6 +122,10 @@ class Bucket:
         return self.store.uri_of(shard_rel(run_name, seq, segment))
 
     # ---------------------------------------------------------------- run files
+
+    def run_lease(self, run_name: str, ttl_s: float = LEASE_TTL_S) -> RunLease:
+        """The run's lease, not yet taken: `acquire()` it before writing anything of the run."""
+        return RunLease(self.store, run_name, lease_rel(run_name), ttl_s=ttl_s)
 
     def write_text(self, run_name: str, relpath: str, text: str) -> str:
         """Write a run file (config.resolved.json, summary.json, metrics.jsonl) atomically; returns its URI."""

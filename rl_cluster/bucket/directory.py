@@ -6,19 +6,25 @@ A directory is committed by writing its files and manifest into a dot-prefixed t
 Readers verify in place, since the bucket is already a local path vLLM can read; the path must resolve
 inside the bucket root (vLLM follows symlinks, so a link out of the bucket would load something else).
 
+The run lease's conditional writes: `create` is `O_CREAT | O_EXCL`; a POSIX directory has no
+compare-and-swap, but rename is atomic, so `replace` moves the file aside (of two swappers one gets it),
+checks it, and creates the new one exclusively in its place. A file's tag is the sha256 of its bytes.
+
 The s3 backend's local cache is a directory store too (same layout, same commit), which is why `commit`
 takes a function that fills the temporary directory rather than source files.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from rl_cluster.bucket.store import Digests, Manifest, RetryPolicy, Store
+from rl_cluster.bucket.store import Conflict, Digests, Manifest, RetryPolicy, Store
 from rl_cluster.core.manifest import MANIFEST_NAME, check_files, sha256_of
 from rl_cluster.errors import AdapterRejected
 
@@ -104,6 +110,19 @@ class DirectoryStore(Store):
     def write(self, rel: str, data: bytes) -> None:
         self._retry(f"write {self.uri_of(rel)}", _atomic_write, self.root / rel, data)
 
+    def create(self, rel: str, data: bytes) -> str:
+        return self._retry(f"create {self.uri_of(rel)}", _create_exclusive, self.root / rel, data)
+
+    def read_tagged(self, rel: str) -> tuple[bytes, str]:
+        data = self.read(rel)
+        return data, _tag(data)
+
+    def replace(self, rel: str, data: bytes, tag: str) -> str:
+        return self._retry(f"replace {self.uri_of(rel)}", _swap, self.root / rel, tag, data)
+
+    def remove(self, rel: str, tag: str) -> None:
+        self._retry(f"remove {self.uri_of(rel)}", _swap, self.root / rel, tag, None)
+
 
 def write_synced(path: Path, data: bytes) -> None:
     """Write a file and fsync it: a rename that commits it must not outlive its contents in a crash."""
@@ -130,6 +149,52 @@ def _atomic_write(path: Path, data: bytes) -> None:
     finally:
         tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
+
+
+def _tag(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _create_exclusive(path: Path, data: bytes) -> str:
+    """Create a file that must not exist (FileExistsError), with `data` synced; returns its tag."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        path.unlink(missing_ok=True)  # a half-written file would read as a corrupt one
+        raise
+    _fsync_dir(path.parent)
+    return _tag(data)
+
+
+def _swap(path: Path, tag: str, data: bytes | None) -> str | None:
+    """Replace `path` by `data` (delete it when None) only while its bytes are the ones `tag` names."""
+    aside = path.with_name(f".{path.name}.swap-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(path, aside)  # atomic: of two swappers, one moves the file and the other finds none
+    except FileNotFoundError:
+        if data is None:
+            return None
+        raise Conflict(f"{path} is gone") from None
+    try:
+        current = aside.read_bytes()
+        if _tag(current) != tag:
+            # Someone else's file: put it back, unless a third writer created one meanwhile.
+            with contextlib.suppress(FileExistsError):
+                _create_exclusive(path, current)
+            raise Conflict(f"{path} changed since it was read")
+        if data is None:
+            return None
+        try:
+            return _create_exclusive(path, data)
+        except FileExistsError:
+            raise Conflict(f"{path} was created by another writer meanwhile") from None
+    finally:
+        aside.unlink(missing_ok=True)
 
 
 def _copy_hashed(src: Path, dest: Path) -> tuple[int, str]:

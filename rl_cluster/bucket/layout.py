@@ -30,6 +30,7 @@ from rl_cluster.core.manifest import (
 
 ADAPTERS_DIR = "adapters"
 CHECKPOINTS_DIR = "checkpoints"
+LEASE_FILE = "lease.json"  # who drives the run now (lease.py)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,10 @@ def checkpoint_rel(run_name: str, step: int) -> str:
 
 def shard_rel(run_name: str, seq: int, segment: str) -> str:
     return f"{plain(run_name, 'run_name')}/{EXPERIENCE_DIR}/{shard_dir_name(seq, segment)}"
+
+
+def lease_rel(run_name: str) -> str:
+    return f"{plain(run_name, 'run_name')}/{LEASE_FILE}"
 
 
 def run_file_rel(run_name: str, relpath: str) -> str:

@@ -5,6 +5,10 @@ manifest's presence is the commit. Readers cannot hand vLLM an s3:// path, so `f
 into a local cache (`cache/<rel>`, the bucket's own layout) that is a directory store: the download is
 committed there the same way, and a cached copy is verified again before it is used.
 
+The run lease's conditional writes are S3's own: a PUT with `If-None-Match: *` creates, one with
+`If-Match: <ETag>` replaces, a DELETE with `If-Match` removes; a file's tag is its ETag. A store that
+ignores those headers (some S3-compatible ones) cannot keep two drivers of one run apart.
+
 One retry loop (the policy's) wraps each request; s3fs's and botocore's own retries are off, so that
 "bounded" means what it says.
 """
@@ -18,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_cluster.bucket.directory import DirectoryStore, write_synced
-from rl_cluster.bucket.store import Digests, Manifest, RetryPolicy, Store
+from rl_cluster.bucket.store import Conflict, Digests, Manifest, RetryPolicy, Store
 from rl_cluster.core.manifest import MANIFEST_NAME, check_files, manifest_to_json, sha256_of
 from rl_cluster.errors import AdapterRejected
 
@@ -166,3 +170,59 @@ class S3Store(Store):
 
     def write(self, rel: str, data: bytes) -> None:
         self._retry(f"write {self._key(rel)}", self.fs.pipe_file, self._key(rel), data)
+
+    def create(self, rel: str, data: bytes) -> str:
+        # s3fs turns the 412 of If-None-Match into FileExistsError. A retry after a lost answer gets
+        # it too: the lease then reads its own record back (lease.py).
+        return self._retry(f"create {self._key(rel)}", self._put, self._key(rel), data, IfNoneMatch="*")
+
+    def read_tagged(self, rel: str) -> tuple[bytes, str]:
+        return self._retry(f"read {self._key(rel)}", self._get_tagged, self._key(rel))
+
+    def replace(self, rel: str, data: bytes, tag: str) -> str:
+        return self._retry(f"replace {self._key(rel)}", self._put, self._key(rel), data, IfMatch=tag)
+
+    def remove(self, rel: str, tag: str) -> None:
+        self._retry(f"remove {self._key(rel)}", self._delete_if, self._key(rel), tag)
+
+    def _put(self, key: str, data: bytes, **condition: str) -> str:
+        bucket, name, _ = self.fs.split_path(key)
+        try:
+            answer = self.fs.call_s3("put_object", Bucket=bucket, Key=name, Body=data, **condition)
+        except OSError as e:
+            if "IfMatch" in condition and _s3_code(e) in ("PreconditionFailed", "NoSuchKey"):
+                raise Conflict(f"s3://{key} changed since it was read") from None
+            raise
+        return answer["ETag"]
+
+    def _get_tagged(self, key: str) -> tuple[bytes, str]:
+        from fsspec.asyn import sync
+
+        bucket, name, _ = self.fs.split_path(key)
+
+        async def get() -> tuple[bytes, str]:
+            # One GET for both: a HEAD and a read could see two different writes.
+            answer = await self.fs._call_s3("get_object", Bucket=bucket, Key=name)
+            try:
+                return await answer["Body"].read(), answer["ETag"]
+            finally:
+                answer["Body"].close()
+
+        return sync(self.fs.loop, get)
+
+    def _delete_if(self, key: str, tag: str) -> None:
+        bucket, name, _ = self.fs.split_path(key)
+        try:
+            self.fs.call_s3("delete_object", Bucket=bucket, Key=name, IfMatch=tag)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            if _s3_code(e) == "PreconditionFailed":
+                raise Conflict(f"s3://{key} changed since it was read") from None
+            raise
+
+
+def _s3_code(error: BaseException) -> str | None:
+    """The S3 error code behind an error s3fs translated (it keeps the botocore error as the cause)."""
+    response = getattr(error.__cause__, "response", None) or {}
+    return response.get("Error", {}).get("Code")

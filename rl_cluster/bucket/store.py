@@ -10,6 +10,9 @@ medium, instead of one class branching on the medium at every operation.
 
 Paths handed to a store (`rel`) are '/'-separated, relative to its root, and made by `Bucket` from
 names it has checked, so a store never climbs out of its root.
+
+Besides those, a store offers conditional writes of one small file (`create`, `read_tagged`, `replace`,
+`remove`): what a run's lease (`lease.py`) is built on, so that of two writers exactly one wins.
 """
 
 from __future__ import annotations
@@ -29,6 +32,13 @@ T = TypeVar("T")
 
 Digests = Mapping[str, tuple[int, str]]  # file name -> (size, sha256)
 Manifest = dict[str, Any]
+
+
+class Conflict(Exception):
+    """A conditional write or delete found the file changed (or gone) since it was read: someone else
+    wrote it. Definite, so never retried."""
+
+
 # Errors that say something definite about the request, not about reachability: retrying cannot help.
 _DEFINITIVE = (
     FileNotFoundError,
@@ -37,6 +47,7 @@ _DEFINITIVE = (
     NotADirectoryError,
     PermissionError,
     AdapterError,
+    Conflict,
     ValueError,
     TypeError,
 )
@@ -129,3 +140,25 @@ class Store(ABC):
     @abstractmethod
     def write(self, rel: str, data: bytes) -> None:
         """Write a small file atomically: readers see the old or the new content, never half."""
+
+    # ---------------------------------------------------------------- conditional writes (the run lease)
+
+    @abstractmethod
+    def create(self, rel: str, data: bytes) -> str:
+        """Write a small file only where there is none, atomically (of two writers exactly one wins);
+        returns its tag. FileExistsError when there is one."""
+
+    @abstractmethod
+    def read_tagged(self, rel: str) -> tuple[bytes, str]:
+        """A small file's bytes and its tag, which names those bytes (an ETag, a digest): another write
+        of other bytes changes it. FileNotFoundError when there is none."""
+
+    @abstractmethod
+    def replace(self, rel: str, data: bytes, tag: str) -> str:
+        """Replace a small file only while it is still the one `tag` names; returns the new tag.
+        Conflict when it changed or is gone."""
+
+    @abstractmethod
+    def remove(self, rel: str, tag: str) -> None:
+        """Delete a small file only while it is still the one `tag` names; Conflict when it changed.
+        An absent file is no error."""

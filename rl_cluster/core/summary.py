@@ -119,12 +119,13 @@ def summarize(
 
 
 def exit_status(summary: dict, tolerance: float) -> int:
-    """0: finished and served = trained; 2: finished but the served adapter is not the trained one (or
-    was never checked); 1: stopped or failed."""
+    """0: finished and served = trained; 3: finished but the served adapter is not the trained one (or
+    was never checked); 1: stopped or failed. (2 is every entry point's "refused before it started":
+    a config that does not load, data not prepared, a run name taken; rl_cluster.cli.)"""
     if summary["status"] != "finished":
         return 1
     gap = summary["served_vs_trained_gap"]
-    return 0 if gap is not None and gap <= tolerance else 2
+    return 0 if gap is not None and gap <= tolerance else 3
 
 
 def _groups_line(groups: dict) -> str:

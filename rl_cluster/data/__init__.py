@@ -21,6 +21,7 @@ template) is dropped at prepare time and counted: vLLM would refuse it, and it m
 from __future__ import annotations
 
 import datetime as _dt
+import glob
 import hashlib
 import io
 import json
@@ -33,6 +34,9 @@ from rl_cluster.core.math_grading import last_boxed
 
 PREPARED_ROOT = "datasets"  # <bucket>/datasets/<key>/: beside the run directories, shared by runs
 MARKER = "prepared.json"
+# What `python -m rl_cluster.data tiny-math --out DIR` writes (rl_cluster.data.tiny_math).
+_FILE_BUILDERS = {"parquet", "json", "csv", "text", "arrow"}  # `load_dataset` names that read data_files
+_TINY_MATH_FILES = {f"{split}.{ext}" for split in ("train", "test") for ext in ("parquet", "jsonl")}
 # The task fields that shape prepared rows (rewards, num_prompts, jsonl_path do not).
 _SHAPING_FIELDS = {
     "dataset",
@@ -148,6 +152,24 @@ def load_tokenizer(config: RunConfig):
     return AutoTokenizer.from_pretrained(source, revision=config.model.revision)
 
 
+def missing_data_files(task: TaskConfig) -> list[str]:
+    """The local `task.data_files` (paths or glob patterns) of a file builder that name no file. Remote
+    ones (`hf://`, `s3://`, ...), and those of a hub dataset (paths inside its repository), are left to
+    `datasets`."""
+    if task.dataset not in _FILE_BUILDERS:
+        return []
+    paths = [p for files in task.data_files.values() for p in files if "://" not in p]
+    return [p for p in paths if not (glob.glob(p) if glob.has_magic(p) else os.path.isfile(p))]
+
+
+def _missing_files_message(missing: list[str]) -> str:
+    where = f"task.data_files: {', '.join(missing)} not found (in {os.getcwd()})"
+    if all(os.path.basename(p) in _TINY_MATH_FILES for p in missing):
+        out = os.path.dirname(missing[0]) or "."
+        return f"{where}; write the tiny MATH task first: python -m rl_cluster.data tiny-math --out {out}"
+    return f"{where}; write the data before `prepare`"
+
+
 def _bucket(config: RunConfig):
     from rl_cluster.bucket import Bucket
 
@@ -163,6 +185,9 @@ def prepare(config: RunConfig, tokenizer=None, log=print) -> dict:
     task = config.task
     if task.prompts != "dataset":
         raise ValueError(f'prepare needs task.prompts = "dataset" (this config has {task.prompts!r})')
+    missing = missing_data_files(task)
+    if missing:  # before the tokenizer, which may first build a tiny model (a minute on a CPU)
+        raise FileNotFoundError(_missing_files_message(missing))
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
     limit = prompt_token_limit(config)
     bucket, key = _bucket(config), prepared_key(config)

@@ -1,6 +1,8 @@
-"""`python -m rl_cluster.data prepare --config FILE [overrides]` and `python -m rl_cluster.data tiny-math --out DIR`.
+"""`python -m rl_cluster.data prepare --config FILE [overrides]` and `python -m rl_cluster.data tiny-math --out DIR`
+(also `rl-cluster data ...`).
 
-The config is parsed before any heavy import, so a bad config or `--help` answers at once.
+The config and the data files it names are checked before any heavy import, so a bad config, a missing
+file or `--help` answers at once, in one line, with exit status 2.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ import shlex
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rl_cluster.data", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from rl_cluster.commands import add_debug_argument
+
+    commands = parser.add_subparsers(dest="data_command", required=True)
     prepare = commands.add_parser(
         "prepare", help="write the recipe's train and eval splits into the bucket, where the run reads them"
     )
@@ -27,24 +30,41 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("--train-rows", type=int, default=2000)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--operations", default="+", help="'+', '-' or '+-'")
-    args = parser.parse_args(argv)
+    for command in (prepare, tiny):
+        add_debug_argument(command, inherited=True)
 
-    if args.command == "tiny-math":
+
+def run(args: argparse.Namespace) -> int:
+    """Write the tiny MATH task, or prepare a run's dataset into the bucket (rl_cluster.data)."""
+    if args.data_command == "tiny-math":
         from rl_cluster.data.tiny_math import write_task
 
         for split, paths in write_task(args.out, args.train_rows, args.seed, args.operations).items():
             print(f"{split}: {paths['parquet']} {paths['jsonl']}")
         return 0
 
-    from rl_cluster.config import load_config
+    from rl_cluster.config_errors import load
+    from rl_cluster.errors import UsageError
 
-    config = load_config(args.config, args.overrides)
+    config = load(args.config, args.overrides)
     from rl_cluster.data import prepare as run_prepare
 
-    meta = run_prepare(config)
+    try:
+        meta = run_prepare(config)
+    except (FileNotFoundError, ValueError) as e:  # a data file or hub dataset not there; rows unusable
+        raise UsageError(f"{args.config}: {e}") from e
     command = shlex.join(["python", "jobs/train_grpo.py", "--config", args.config, *args.overrides])
     print(f"prepared {meta['key']}; a run with the same config and overrides reads it:\n  {command}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rl_cluster.commands import add_debug_argument, guarded
+
+    parser = argparse.ArgumentParser(prog="python -m rl_cluster.data", description=__doc__.splitlines()[0])
+    add_debug_argument(parser)
+    add_arguments(parser)
+    return guarded(run, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""`python -m rl_cluster.experience RUN [--bucket URI]`: a run's stored experience, per adapter version.
+"""`python -m rl_cluster.experience RUN [--bucket URI]` (or `rl-cluster experience`): a run's stored
+experience, per adapter version.
 
 With `--replay VERSION --model DIR [--adapter-dir DIR]`, the groups sampled under that version are
 rescored under the base model (plus the adapter): per group, the mean |new - stored| logprob of the
@@ -23,15 +24,11 @@ TABLE_COLUMNS = [
 ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m rl_cluster.experience", description=__doc__.splitlines()[0]
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from rl_cluster.commands import add_bucket_arguments
+
     parser.add_argument("run", help="the run's name (its directory in the bucket)")
-    parser.add_argument(
-        "--bucket", default="bucket", help="directory or s3://bucket/prefix (default: bucket)"
-    )
-    parser.add_argument("--s3-endpoint-url", default=None, help="S3-compatible endpoint (for s3:// buckets)")
+    add_bucket_arguments(parser)
     parser.add_argument("--cache-dir", default=".cache/bucket", help="where s3 shards are downloaded to")
     replay = parser.add_argument_group("replay")
     replay.add_argument("--replay", type=int, metavar="VERSION", help="rescore the groups of this version")
@@ -41,19 +38,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     replay.add_argument("--max-groups", type=int, default=8, help="groups of that version to rescore")
     replay.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass")
-    args = parser.parse_args(argv)
-    if args.replay is not None and not args.model:
-        parser.error("--replay needs --model")
 
+
+def run(args: argparse.Namespace) -> int:
+    """A run's stored experience, per adapter version; with --replay, one version's groups rescored."""
+    from rl_cluster.errors import UsageError
+
+    if args.replay is not None and not args.model:
+        raise UsageError("--replay needs --model")
     from rl_cluster.bucket import Bucket
     from rl_cluster.core.experience import format_version_table, total_row, version_table
     from rl_cluster.errors import AdapterError
     from rl_cluster.experience import load_experience
+    from rl_cluster.runs import not_found, run_names
 
     bucket = Bucket(args.bucket, args.s3_endpoint_url)
+    if args.run not in run_names(
+        bucket, marked=False
+    ):  # before blaming experience.enabled: is it the name, or the bucket?
+        raise not_found(bucket, args.run)
     try:
         dataset = load_experience(bucket, args.run, cache_dir=args.cache_dir)
-    except (FileNotFoundError, AdapterError) as e:  # no shard yet; a shard that is not what was written
+    except FileNotFoundError as e:  # the run is there, but no shard yet
+        raise UsageError(str(e)) from e
+    except AdapterError as e:  # a shard that is not what was written
         print(e, file=sys.stderr)
         return 1
     if args.replay is None:
@@ -61,6 +69,17 @@ def main(argv: list[str] | None = None) -> int:
         print(format_version_table(version_table(rows), total_row(rows)))
         return 0
     return _replay(dataset, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rl_cluster.commands import add_debug_argument, guarded
+
+    parser = argparse.ArgumentParser(
+        prog="python -m rl_cluster.experience", description=" ".join(__doc__.split("\n\n")[0].split())
+    )
+    add_arguments(parser)
+    add_debug_argument(parser)
+    return guarded(run, parser.parse_args(argv))
 
 
 def _replay(dataset, args) -> int:

@@ -25,6 +25,7 @@ from rl_cluster.core.telemetry import GENERATOR_METRICS, vllm_gauges
 from rl_cluster.errors import ReplicaDown
 from rl_cluster.generator.server import ServerSpec, VLLMServer
 from rl_cluster.models import model_fingerprint, resolve_model
+from rl_cluster.nodes import node_placement
 from rl_cluster.proxy.adapter_loader import HttpAdapterLoader
 from rl_cluster.telemetry import RayMetricSet
 
@@ -238,8 +239,6 @@ class Generator:
         return self.server.process.pid if self.server and self.server.process else None
 
     def placement(self) -> dict:
-        from rl_cluster.cluster import node_placement
-
         return node_placement()
 
     async def load_adapter(self, name: str, path: str) -> None:
@@ -309,8 +308,6 @@ class ActorAdapterLoader:
         self.actor = actor
 
     def placement(self) -> dict:
-        from rl_cluster.cluster import node_placement
-
         return node_placement()
 
     async def load_adapter(self, name: str, path: str) -> None:

@@ -14,6 +14,7 @@ import ray
 from pydantic import SecretStr
 
 from rl_cluster.config import ProxyConfig
+from rl_cluster.nodes import node_placement
 from rl_cluster.proxy.adapter_loader import AdapterLoader
 from rl_cluster.proxy.heap import freeze_startup_heap
 from rl_cluster.proxy.ray_metrics import EXPORT_INTERVAL_S, RayMetrics
@@ -32,16 +33,18 @@ class ProxyActor:
         auth_token: str | None = None,
         loopback: bool = True,
         run_name: str | None = None,
+        max_model_len: int | None = None,
     ):
         """`adapter_root`: the bucket every loaded adapter path must lie inside (None: any path).
         `replica_key`: what the replicas demand; `auth_token`: what the control routes demand (None: the
         configured one). `loopback`: bind 127.0.0.1 when `config.host` is unset (a private local Ray),
         else this node's address, where the trainer and operators on other nodes reach it. `run_name`: the
-        `run` tag of the proxy's Ray metrics."""
+        `run` tag of the proxy's Ray metrics. `max_model_len`: the replicas' context, which bounds
+        requests (None: not checked)."""
         host = config.host or ("127.0.0.1" if loopback else ray.util.get_node_ip_address())
         token = SecretStr(auth_token) if auth_token else config.auth_token
         resolved = config.model_copy(update={"host": host, "auth_token": token})
-        self._server = ProxyServer(resolved, adapter_root, replica_key)
+        self._server = ProxyServer(resolved, adapter_root, replica_key, max_model_len)
         self._metrics = RayMetrics(run_name=run_name)
         self._server.broadcast_latency.listeners.append(self._metrics.observe_broadcast)
         self._exporter: asyncio.Task | None = None
@@ -76,8 +79,6 @@ class ProxyActor:
         await self._server.report_back(replica_id)
 
     async def placement(self) -> dict:
-        from rl_cluster.cluster import node_placement
-
         return node_placement()
 
     async def stats(self) -> dict:

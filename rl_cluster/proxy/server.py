@@ -68,11 +68,20 @@ class ProxyServer:
     accepts any path (tests, or a proxy in front of servers that load from anywhere).
     `replica_key`: the run's secret the replicas were started with (vLLM `--api-key`); sent on every
     call to a replica, never forwarded from or shown to clients. None: replicas without a key.
+    `max_model_len`: the context the replicas serve (model.max_model_len); requests that cannot fit it are
+    refused here. None: not checked (left to the replicas).
     """
 
-    def __init__(self, config: ProxyConfig, adapter_root: str | None = None, replica_key: str | None = None):
+    def __init__(
+        self,
+        config: ProxyConfig,
+        adapter_root: str | None = None,
+        replica_key: str | None = None,
+        max_model_len: int | None = None,
+    ):
         self.config = config
         self.adapter_root = adapter_root
+        self.max_model_len = max_model_len
         self._replica_headers = {"Authorization": f"Bearer {replica_key}"} if replica_key else {}
         self.metrics = ProxyMetrics(self.stats)
         self.broadcast_latency = self.metrics.broadcast_latency
@@ -250,7 +259,14 @@ class ProxyServer:
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         raw, body = await self._read_json(request)
-        check_generation(request.path, body, max_n=self.config.max_n)
+        config = self.config
+        check_generation(
+            request.path,
+            body,
+            max_n=config.max_n,
+            max_sequences=config.max_sequences_per_request,
+            max_model_len=self.max_model_len,
+        )
         return await self._dispatch.generate(request, raw, body)
 
     # -- adapters ---------------------------------------------------------------------------------------

@@ -81,22 +81,25 @@ def _token_ids(value: Any) -> bool:
     return True
 
 
-def _check_prompt(prompt: Any) -> None:
-    ok = (
-        (isinstance(prompt, str) and prompt != "")
-        or _token_ids(prompt)
-        or (
-            isinstance(prompt, list)
-            and bool(prompt)
-            and (all(isinstance(p, str) and p != "" for p in prompt) or all(_token_ids(p) for p in prompt))
-        )
+def _prompt_shape(prompt: Any) -> tuple[int, int]:
+    """(prompts, tokens in the longest token-id prompt; 0 for text) of a valid completions `prompt`.
+
+    vLLM reads a string or one list of token ids as one prompt, and a list of either as that many.
+    """
+    if isinstance(prompt, str) and prompt != "":
+        return 1, 0
+    if _token_ids(prompt):
+        return 1, len(prompt)
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) and p != "" for p in prompt):
+            return len(prompt), 0
+        if all(_token_ids(p) for p in prompt):
+            return len(prompt), max(map(len, prompt))
+    raise Invalid(
+        "'prompt' must be a non-empty string, a non-empty list of token ids (0 <= id < 2**31), "
+        "or a non-empty list of either",
+        "prompt",
     )
-    if not ok:
-        raise Invalid(
-            "'prompt' must be a non-empty string, a non-empty list of token ids (0 <= id < 2**31), "
-            "or a non-empty list of either",
-            "prompt",
-        )
 
 
 def _check_messages(messages: Any) -> None:
@@ -116,32 +119,68 @@ def _check_messages(messages: Any) -> None:
             )
 
 
-def check_generation(route: str, body: dict, *, max_n: int) -> None:
-    """The fields of a /v1/completions or /v1/chat/completions body the proxy routes on or bounds."""
+def check_generation(
+    route: str, body: dict, *, max_n: int, max_sequences: int, max_model_len: int | None = None
+) -> None:
+    """The fields of a /v1/completions or /v1/chat/completions body the proxy routes on or bounds.
+
+    `max_sequences`: most prompts x n one request may ask for (vLLM takes up to 1,024 prompts, so n alone
+    does not bound the work one request queues). `max_model_len`: the served context (None: unknown, not
+    checked); a `max_tokens` above it, or a token-id prompt that leaves no room for one completion token,
+    is what vLLM refuses too, refused here before it costs a replica anything.
+    """
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise Invalid("'model' must be a string", "model")
-    if route.endswith("/chat/completions"):
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or not 1 <= n <= max_n):
+        raise Invalid(f"'n' must be an integer from 1 to {max_n}", "n")
+    chat = route.endswith("/chat/completions")
+    if chat:
         _check_messages(body.get("messages"))
+        prompts, prompt_tokens = 1, 0
     else:
-        _check_prompt(body.get("prompt"))
+        prompts, prompt_tokens = _prompt_shape(body.get("prompt"))
+    sequences = prompts * (n or 1)
+    if sequences > max_sequences:
+        raise Invalid(
+            f"the request asks for {sequences} sequences ({prompts} prompt{'s' * (prompts > 1)} x "
+            f"n={n or 1}); at most {max_sequences} per request (proxy.max_sequences_per_request)",
+            "n" if prompts == 1 else "prompt",
+        )
     for field in ("max_tokens", "max_completion_tokens"):
         value = body.get(field)
         if value is None:
             continue
-        # No bound by the context length: vLLM itself caps max_tokens at what the context leaves, and
-        # clients rely on that. Absurd integers are refused before they reach anything that overflows.
+        # Absurd integers are refused before they reach anything that overflows.
         if not _is_int(value) or not 1 <= value <= MAX_INT32:
             raise Invalid(f"'{field}' must be an integer from 1 to {MAX_INT32}", field)
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or not 1 <= n <= max_n):
-        raise Invalid(f"'n' must be an integer from 1 to {max_n}", "n")
+    if max_model_len is not None:
+        _check_context(body, chat, prompt_tokens, max_model_len)
     temperature = body.get("temperature")
     if temperature is not None and (not _is_number(temperature) or temperature < 0):
         raise Invalid("'temperature' must be a finite number >= 0", "temperature")
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise Invalid("'stream' must be a boolean", "stream")
+
+
+def _check_context(body: dict, chat: bool, prompt_tokens: int, max_model_len: int) -> None:
+    # The field vLLM reads: chat prefers max_completion_tokens; completions know only max_tokens.
+    field = (
+        "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    )
+    value = body.get(field)
+    if value is not None and value > max_model_len:
+        raise Invalid(f"'{field}'={value} cannot be greater than max_model_len={max_model_len}", field)
+    # Only a prompt that fills the context is refused, never prompt + max_tokens over it: vLLM caps
+    # max_tokens at what the context leaves, and clients (TRL sends its max_completion_length) rely on it.
+    if prompt_tokens >= max_model_len:
+        raise Invalid(
+            f"a prompt of {prompt_tokens} tokens leaves no room for a completion in "
+            f"max_model_len={max_model_len}",
+            "prompt",
+        )
 
 
 def check_adapter_name(name: Any, param: str = "lora_name") -> str:

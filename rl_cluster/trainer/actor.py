@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import shutil
 import tempfile
@@ -18,44 +17,13 @@ from rl_cluster.core.evaluation import eval_line, eval_record, with_evals
 from rl_cluster.core.summary import progress_line, step_record
 from rl_cluster.core.telemetry import GROUP_FATES, TRAINER_METRICS, finite, step_values
 from rl_cluster.models import model_fingerprint, resolve_model
+from rl_cluster.nodes import node_placement
 from rl_cluster.telemetry import RayMetricSet
-from rl_cluster.tiny import make_prompts
 from rl_cluster.trainer.check import served_vs_trained_gap
 from rl_cluster.trainer.proxy_client import ProxyClient
+from rl_cluster.trainer.task import import_function, load_prompts
 
 RUN_STATE = "rl_cluster_state.json"  # in each checkpoint: the run's record up to it
-
-
-def import_function(path: str):
-    """`package.module:function` -> the function (reward functions must be importable, not closures)."""
-    module, _, name = path.partition(":")
-    if not name:
-        raise ValueError(f"reward {path!r} must look like package.module:function")
-    return getattr(importlib.import_module(module), name)
-
-
-def load_prompts(config: RunConfig):
-    from datasets import Dataset
-
-    task = config.task
-    if task.prompts == "dataset":  # written into the bucket by `python -m rl_cluster.data prepare`
-        from rl_cluster.data import load_prepared
-
-        return load_prepared(config, "train")
-    if task.prompts == "jsonl":
-        rows = []
-        for number, line in enumerate(Path(task.jsonl_path).read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(
-                    f"{task.jsonl_path} line {number} is not JSON ({e.msg}): {line[:80]!r}"
-                ) from None
-    else:
-        rows = make_prompts(task.num_prompts, seed=config.trainer.seed)
-    return Dataset.from_list(rows)
 
 
 class Trainer:
@@ -185,10 +153,12 @@ class Trainer:
             base_fingerprint=self._base_fingerprint,
         )
         shutil.rmtree(local_dir, ignore_errors=True)  # the bucket holds it now
-        self.bucket.apply_checkpoint_retention(
+        deleted = self.bucket.apply_checkpoint_retention(
             self.config.run_name, keep_last=self.config.trainer.keep_checkpoints
         )
-        self.checkpoints.append(uri)
+        # summary.json lists what a resume can still use, not what retention already deleted.
+        gone = {self.bucket.checkpoint_uri(self.config.run_name, step) for step in deleted}
+        self.checkpoints = [kept for kept in self.checkpoints if kept not in gone] + [uri]
         print(f"checkpoint step {step} published to {uri}", flush=True)
 
     # -- training --------------------------------------------------------------------------------------
@@ -228,58 +198,72 @@ class Trainer:
     def train(self, resume: bool = False) -> dict:
         """Train to trainer.max_steps. `resume` (or a restart of this actor by Ray) continues from the
         newest verified checkpoint; adapter versions continue after the highest ever published."""
-        from peft import LoraConfig
-        from trl.experimental.async_grpo import AsyncGRPOConfig
-
-        from rl_cluster.trainer.compat import (
-            apply_trainer_workarounds,
-            pipeline_limits,
-            quiet_default_printer,
-            training_precision_kwargs,
-        )
-        from rl_cluster.trainer.grpo import BucketSyncTrainer, CheckpointPublisher, StepReporter
+        from rl_cluster.trainer.compat import apply_trainer_workarounds, train_to_max_steps
 
         apply_trainer_workarounds()
         c = self.config
-        t = c.trainer
         model_dir = resolve_model(c.model.path, c.model.revision)
-        fingerprint = model_fingerprint(model_dir)
-        self._base_fingerprint = fingerprint
-        restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        checkpoint, self.resumed_from_step = (None, None)
-        if resume or restarted:
-            checkpoint, self.resumed_from_step = self._newest_checkpoint(required=resume)
-            published = self.bucket.list_versions(c.run_name, c.run_name)
-            print(
-                ("trainer restarted by Ray: " if restarted else "")
-                + (
-                    f"resuming from checkpoint step {self.resumed_from_step}"
-                    if checkpoint
-                    else "no checkpoint yet: from step 0"
+        self._base_fingerprint = model_fingerprint(model_dir)
+        checkpoint = self._resume_point(resume)
+        self._start_wandb()
+        dataset = load_prompts(c)
+        self.trainer = self._build_trainer(model_dir, dataset)
+        self._add_run_extras(dataset)
+        self._train_start = time.time()
+        try:
+            if train_to_max_steps(self.trainer, checkpoint) is None:
+                print(
+                    f"checkpoint step {self.resumed_from_step} is trainer.max_steps: nothing left to train",
+                    flush=True,
                 )
-                + f"; versions continue after v{max(published, default=0)}",
-                flush=True,
+        finally:
+            self._write_metrics()
+            if self._experience is not None:
+                self._experience.close(timeout=60.0)
+        return self.report()
+
+    def _resume_point(self, resume: bool) -> str | None:
+        """The checkpoint to continue from (its record restored), or None for a fresh start. A trainer Ray
+        restarted continues like `resume`, from step 0 when no checkpoint was made yet."""
+        c = self.config
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if not (resume or restarted):
+            return None
+        checkpoint, self.resumed_from_step = self._newest_checkpoint(required=resume)
+        published = self.bucket.list_versions(c.run_name, c.run_name)
+        print(
+            ("trainer restarted by Ray: " if restarted else "")
+            + (
+                f"resuming from checkpoint step {self.resumed_from_step}"
+                if checkpoint
+                else "no checkpoint yet: from step 0"
             )
-            if checkpoint:
-                self._restore(checkpoint)
+            + f"; versions continue after v{max(published, default=0)}",
+            flush=True,
+        )
+        if checkpoint:
+            self._restore(checkpoint)
+        return checkpoint
+
+    def _start_wandb(self) -> None:
         from rl_cluster.trainer.wandb_log import WandbLog
 
+        c = self.config
         # Offline runs land beside the run's files when the bucket is a directory every node mounts, else
         # under the trainer's .cache/ (beside the vLLM logs), never loose in the working directory.
         local = Path(".cache", "wandb", c.run_name).resolve()
         self._wandb = WandbLog(c, local if self.bucket.is_remote else self.bucket.run_uri(c.run_name))
         if self._wandb.sync_dir:
             print(f"wandb ({c.logging.wandb}): {self._wandb.sync_dir}", flush=True)
-        output_dir = tempfile.mkdtemp(prefix=f"rl_cluster-{c.run_name}-")
-        admission = AdmissionWindow.for_trainer(
-            t.completions_per_step,
-            t.num_generations,
-            t.sync_every,
-            t.max_staleness,
-            lockstep=t.mode == "sync",
-        )
-        args = AsyncGRPOConfig(
-            output_dir=output_dir,
+
+    def _grpo_args(self, admission: AdmissionWindow):
+        from trl.experimental.async_grpo import AsyncGRPOConfig
+
+        from rl_cluster.trainer.compat import pipeline_limits, training_precision_kwargs
+
+        c, t = self.config, self.config.trainer
+        return AsyncGRPOConfig(
+            output_dir=tempfile.mkdtemp(prefix=f"rl_cluster-{c.run_name}-"),
             vllm_server_base_url=self.proxy_url,
             learning_rate=t.learning_rate,
             lr_scheduler_type=t.lr_scheduler,
@@ -303,6 +287,22 @@ class Trainer:
             disable_tqdm=True,
             **training_precision_kwargs(),
         )
+
+    def _build_trainer(self, model_dir: Path, dataset):
+        """TRL's AsyncGRPOTrainer with the run's LoRA, rewards, callbacks and admission window."""
+        from peft import LoraConfig
+
+        from rl_cluster.trainer.compat import quiet_default_printer
+        from rl_cluster.trainer.grpo import BucketSyncTrainer, CheckpointPublisher, StepReporter
+
+        c, t = self.config, self.config.trainer
+        admission = AdmissionWindow.for_trainer(
+            t.completions_per_step,
+            t.num_generations,
+            t.sync_every,
+            t.max_staleness,
+            lockstep=t.mode == "sync",
+        )
         lora = LoraConfig(
             r=c.lora.rank,
             lora_alpha=c.lora.alpha,
@@ -310,11 +310,10 @@ class Trainer:
             lora_dropout=c.lora.dropout,
             task_type="CAUSAL_LM",
         )
-        dataset = load_prompts(c)
-        self.trainer = BucketSyncTrainer(
+        trainer = BucketSyncTrainer(
             model=str(model_dir),
             reward_funcs=[import_function(r) for r in c.task.rewards],
-            args=args,
+            args=self._grpo_args(admission),
             train_dataset=dataset,
             peft_config=lora,
             callbacks=[StepReporter(self._on_step), CheckpointPublisher(self._publish_checkpoint)],
@@ -322,14 +321,19 @@ class Trainer:
             bucket=self.bucket,
             proxy=self.proxy,
             base_model=c.model.path,
-            base_fingerprint=fingerprint,
+            base_fingerprint=self._base_fingerprint,
             keep_every=c.bucket.keep_every,
             on_sync=self._on_sync,
             on_sample=self._on_sample,
             admission=admission,
             first_version=max(self.bucket.list_versions(c.run_name, c.run_name), default=0) + 1,
         )
-        quiet_default_printer(self.trainer)
+        quiet_default_printer(trainer)
+        return trainer
+
+    def _add_run_extras(self, dataset) -> None:
+        """The experience writer, the held-out eval and the check's prompt, around the built trainer."""
+        c, t = self.config, self.config.trainer
         if c.experience.enabled:
             from rl_cluster.experience import ExperienceWriter
 
@@ -350,22 +354,13 @@ class Trainer:
                 self.trainer.processing_class,
                 import_function(c.task.rewards[0]),
                 load_prepared(c, "eval").to_list(),
-                chat_template_kwargs=args.chat_template_kwargs,
+                chat_template_kwargs=self.trainer.args.chat_template_kwargs,
             )
             # Added last: its hooks run after TRL's cold sync and after each step's sync.
             self.trainer.add_callback(EvalCallback(c.eval.every_steps, self._on_eval))
-        tokenizer = self.trainer.processing_class
-        self._check_prompt_ids = tokenizer.apply_chat_template(
+        self._check_prompt_ids = self.trainer.processing_class.apply_chat_template(
             dataset[0]["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
         )
-        self._train_start = time.time()
-        try:
-            self.trainer.train(resume_from_checkpoint=checkpoint)
-        finally:
-            self._write_metrics()
-            if self._experience is not None:
-                self._experience.close(timeout=60.0)
-        return self.report()
 
     def _group_counts(self) -> dict:
         if self.trainer is None:
@@ -395,8 +390,6 @@ class Trainer:
                 print(f"wandb offline run: upload it with `wandb sync {self._wandb.sync_dir}`", flush=True)
 
     def placement(self) -> dict:
-        from rl_cluster.cluster import node_placement
-
         return node_placement()
 
 

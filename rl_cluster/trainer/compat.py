@@ -67,6 +67,16 @@ unpatched code fails on a CPU machine) and that the replacement is correct.
    `rl_cluster.trainer.batching` replaces it: a step is exactly `completions_per_step` samples, pulled
    without look-ahead and packed into rows of at most `token_budget` tokens, trained as gradient
    accumulation within the one optimizer step.
+17. transformers' Trainer, resumed from a checkpoint at `max_steps`, trains one step more. With a loader
+   of no length (AsyncGRPOTrainer's rollout queue) an "epoch" is `max_steps` updates, so the resume starts
+   at epoch `global_step // max_steps` = 1, whose first update runs before the stop check: a run whose
+   newest checkpoint is its last step trained step max_steps + 1 on resume (a driver killed after the
+   final checkpoint, or a trainer Ray restarted then). `train_to_max_steps` trains nothing in that case.
+18. AsyncGRPOTrainer's adapter sync has no hook: it writes into its own directory and loads from there
+   (`_sync_weight_lora`, private), and what a replacement needs is private too (`_lora_sync`,
+   `_lora_name`, `_adapter_name`, `_trained_groups`, the rollout worker's `_mp_ctx`).
+   `AdapterSyncTrainer` routes the sync to `sync_adapter` and names those attributes publicly, so the
+   rest of the package touches no private attribute of TRL's (tests/unit/test_layers.py checks it).
 """
 
 from __future__ import annotations
@@ -74,13 +84,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import json
 import multiprocessing
 import multiprocessing.context
 import os
 import threading
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer
 from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
 
 from rl_cluster.core.admission import AdmissionWindow, admits
@@ -382,3 +395,56 @@ def quiet_default_printer(trainer) -> None:
 def is_step_log(logs: dict | None) -> bool:
     """False for the closing log of `train()` (runtime totals, repeating the last step) (item 9)."""
     return bool(logs) and "train_runtime" not in logs
+
+
+def train_to_max_steps(trainer, checkpoint: str | None):
+    """`trainer.train(resume_from_checkpoint=checkpoint)`, except that a checkpoint already at max_steps
+    trains nothing (item 17); None then. A checkpoint past max_steps is the caller's error."""
+    if checkpoint is not None:
+        from transformers.trainer import TRAINER_STATE_NAME
+
+        step = json.loads((Path(checkpoint) / TRAINER_STATE_NAME).read_text())["global_step"]
+        if step > trainer.args.max_steps:
+            raise ValueError(
+                f"the checkpoint is at step {step}, past max_steps={trainer.args.max_steps}: resume with "
+                f"trainer.max_steps above {step} to train further"
+            )
+        if step == trainer.args.max_steps:
+            return None
+    return trainer.train(resume_from_checkpoint=checkpoint)
+
+
+class AdapterSyncTrainer(AsyncGRPOTrainer):
+    """TRL's trainer whose adapter sync is `sync_adapter(t0)`, with the private state it needs named (item
+    18). `sync_adapter` returns what TRL's sync does: (saved, published, routable) times."""
+
+    def _sync_weight_lora(self, t0: float) -> tuple[float, float, float]:
+        return self.sync_adapter(t0)
+
+    def sync_adapter(self, t0: float) -> tuple[float, float, float]:
+        raise NotImplementedError
+
+    @property
+    def syncs_adapters(self) -> bool:
+        """TRL chose adapter-only syncs (a PEFT model and a server started with --enable-lora)."""
+        return self._lora_sync
+
+    @property
+    def adapter_prefix(self) -> str:
+        """The published name's prefix: `<prefix>-vN` (name_run_adapters sets it)."""
+        return self._lora_name
+
+    @property
+    def peft_adapter(self) -> str:
+        """The PEFT adapter being trained (the one `save_lora_adapter` saves)."""
+        return self._adapter_name
+
+    @property
+    def trained_group_ids(self) -> set[int]:
+        """Groups this trainer process trained (TRL's own record, also what its checkpoints count)."""
+        return self._trained_groups
+
+    @property
+    def rollout_context(self):
+        """The multiprocessing context the rollout child is spawned with (shared arrays must come from it)."""
+        return self.rollout_worker._mp_ctx

@@ -1,6 +1,6 @@
 """TRL's AsyncGRPOTrainer, with adapter syncs that go through the bucket and the proxy.
 
-The adapter version lifecycle, from the trainer's side, is `BucketSyncTrainer._sync_weight_lora`:
+The adapter version lifecycle, from the trainer's side, is `BucketSyncTrainer.sync_adapter`:
 
 1. save the adapter (TRL's own saver) into a local staging directory;
 2. publish it as `<run>-vN` into the bucket: files first, manifest last (rl_cluster.bucket);
@@ -23,13 +23,14 @@ import time
 from collections.abc import Callable
 
 from transformers import TrainerCallback
-from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer, save_lora_adapter
+from trl.experimental.async_grpo.async_grpo_trainer import save_lora_adapter
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.core.admission import AdmissionWindow
 from rl_cluster.core.manifest import adapter_dir_name, split_adapter_dir_name
 from rl_cluster.trainer.batching import PackedStepsMixin, packed_steps
 from rl_cluster.trainer.compat import (
+    AdapterSyncTrainer,
     TrainerPosition,
     bound_score_queue,
     is_step_log,
@@ -40,7 +41,7 @@ from rl_cluster.trainer.compat import (
 from rl_cluster.trainer.proxy_client import ProxyClient
 
 
-class BucketSyncTrainer(PackedStepsMixin, AsyncGRPOTrainer):
+class BucketSyncTrainer(PackedStepsMixin, AdapterSyncTrainer):
     def __init__(
         self,
         *args,
@@ -57,7 +58,7 @@ class BucketSyncTrainer(PackedStepsMixin, AsyncGRPOTrainer):
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
-        if not self._lora_sync:
+        if not self.syncs_adapters:
             raise RuntimeError(
                 "rl_cluster publishes LoRA adapters only: the trainer needs a PEFT LoRA config and generators "
                 "started with --enable-lora (check generator.max_loras and generator.max_lora_rank)"
@@ -66,7 +67,7 @@ class BucketSyncTrainer(PackedStepsMixin, AsyncGRPOTrainer):
             raise ValueError("trainer.mode = 'sync' runs one trainer process; use 'async' with several")
         name_run_adapters(self, run_name)
         self.admission = admission
-        self.position = TrainerPosition(self.rollout_worker._mp_ctx, limit=admission.limit(pulled=0))
+        self.position = TrainerPosition(self.rollout_context, limit=admission.limit(pulled=0))
         pin_group_versions(self, window=self.args.max_staleness, position=self.position)
         bound_score_queue(self, groups=max(1, admission.limit(pulled=0) // self.args.num_generations))
         self.rollout_queue = _CountingQueue(self.rollout_queue, self._on_pull)
@@ -107,22 +108,22 @@ class BucketSyncTrainer(PackedStepsMixin, AsyncGRPOTrainer):
         (a sample's generation raised); generated - trained - dropped_stale are still queued."""
         return {
             "generated": self.position[TrainerPosition.SCORED],
-            "trained": len(self._trained_groups),
+            "trained": len(self.trained_group_ids),
             "dropped_stale": len(self._dropped_groups),
             "failed": self.position[TrainerPosition.FAILED],
         }
 
-    def _sync_weight_lora(self, t0: float) -> tuple[float, float, float]:
+    def sync_adapter(self, t0: float) -> tuple[float, float, float]:
         version = max(self.model_version + 1, self.first_version)
-        name = adapter_dir_name(self._lora_name, version)
+        name = adapter_dir_name(self.adapter_prefix, version)
         model = self.accelerator.unwrap_model(self.model)
-        peft_config = model.peft_config[self._adapter_name]
+        peft_config = model.peft_config[self.peft_adapter]
         with tempfile.TemporaryDirectory(prefix="rl_cluster-stage-") as stage:
-            save_lora_adapter(model, self.accelerator, self._adapter_name, os.path.join(stage, name))
+            save_lora_adapter(model, self.accelerator, self.peft_adapter, os.path.join(stage, name))
             t_saved = time.time()
             uri = self.bucket.publish_adapter(
                 self.run_name,
-                self._lora_name,
+                self.adapter_prefix,
                 version,
                 os.path.join(stage, name),
                 base_model=self.base_model,
@@ -147,18 +148,18 @@ class BucketSyncTrainer(PackedStepsMixin, AsyncGRPOTrainer):
         # numbering jumps, and the proxy holds only what this job (or the trainer before a restart) loaded.
         for routable in self.proxy.routable_adapters():
             parsed = split_adapter_dir_name(routable)
-            if parsed and parsed[0] == self._lora_name and parsed[1] <= stale:
+            if parsed and parsed[0] == self.adapter_prefix and parsed[1] <= stale:
                 self.proxy.unload_adapter(routable)
         # Never delete what a replica still holds (a long request keeps an unloaded version loaded), and
         # keep files one sync past their unload: vLLM re-reads evicted adapters from disk.
         protected = set(range(max(stale - 1, 1), version + 1))
         for held in self.proxy.loaded_adapters():
             parsed = split_adapter_dir_name(held)
-            if parsed and parsed[0] == self._lora_name:
+            if parsed and parsed[0] == self.adapter_prefix:
                 protected.add(parsed[1])
         self.bucket.apply_retention(
             self.run_name,
-            self._lora_name,
+            self.adapter_prefix,
             live_window=self.args.max_staleness + 2,
             keep_every=self.keep_every,
             protected=protected,

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 from cluster.hub import write_hub_cache
+from cluster.metric_names import all_metric_names
 from cluster.netns import NamespaceCluster
 from prometheus_client.parser import text_string_to_metric_families
 
 from rl_cluster.bucket import Bucket
-from rl_cluster.core.telemetry import all_metric_names
 from rl_cluster.experience import load_experience
 
 pytestmark = pytest.mark.vllm
@@ -175,7 +175,7 @@ def test_ray_job_submit_across_four_nodes(cluster, hub_env, tmp_path):
     bucket, run = tmp_path / "bucket", "mn-demo"
     submitted = time.monotonic()
     submit(cluster, "rlc-demo", hub_env, [f"run_name={run}", f"bucket.uri={bucket}", f"model.path={HUB_ID}",
-                                          "trainer.max_steps=60"])  # fmt: skip
+                                          "trainer.max_steps=60", "trainer.keep_checkpoints=1"])  # fmt: skip
     proxy_url = wait_for_log(cluster, "rlc-demo", r"proxy listening on (http://\S+);", 600).group(1)
     wait_for_log(cluster, "rlc-demo", r"step +1/60", 600)
     to_first_step = time.monotonic() - submitted
@@ -288,11 +288,12 @@ def test_ray_job_submit_across_four_nodes(cluster, hub_env, tmp_path):
     first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert first["kl"] is not None and abs(first["kl"]) < 1e-4, first
 
-    # Checkpoints every 50 steps and at the end, each committed by its manifest.
-    assert [Path(uri).name for uri in summary["checkpoints"]] == ["step-50", "step-60"]
-    for step in (50, 60):
-        manifest = json.loads((run_dir / "checkpoints" / f"step-{step}" / "manifest.json").read_text())
-        assert {"adapter_model.safetensors", "optimizer.pt", "trainer_state.json"} <= set(manifest["files"])
+    # Checkpoints every 50 steps and at the end, committed by their manifests; keep_checkpoints = 1 deleted
+    # step 50 once step 60 was published, and the summary lists only what is still there.
+    assert [Path(uri).name for uri in summary["checkpoints"]] == ["step-60"]
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-60"]
+    manifest = json.loads((run_dir / "checkpoints" / "step-60" / "manifest.json").read_text())
+    assert {"adapter_model.safetensors", "optimizer.pt", "trainer_state.json"} <= set(manifest["files"])
 
     assert summary["served_vs_trained_gap"] is not None and summary["served_vs_trained_gap"] <= 1e-3
 

@@ -80,8 +80,10 @@ async def start_proxy(vllm_servers):
     AdapterLoader."""
     started: list[ProxyServer] = []
 
-    async def start(controls: dict | None = None, replicas=REPLICA_IDS, **config) -> tuple[ProxyServer, str]:
-        proxy = ProxyServer(ProxyConfig(**config))
+    async def start(
+        controls: dict | None = None, replicas=REPLICA_IDS, max_model_len: int | None = None, **config
+    ) -> tuple[ProxyServer, str]:
+        proxy = ProxyServer(ProxyConfig(**config), max_model_len=max_model_len)
         url = await proxy.start()
         started.append(proxy)
         for replica_id, server in zip(REPLICA_IDS, vllm_servers, strict=True):
@@ -434,6 +436,41 @@ async def test_request_errors(start_proxy, vllm_servers, tiny_model_dir):
     # No model field: the base model.
     status, _ = await post_json(f"{url}/v1/completions", {"prompt": "1+1", "max_tokens": 2})
     assert status == 200
+
+
+async def test_max_sequences_and_context_bound_requests(start_proxy, vllm_servers, tiny_model_dir):
+    """Over-limit requests get the proxy's 400 before any replica sees them (the context refusals are the
+    ones vLLM itself gives, so the proxy only answers sooner); a normal request still works after."""
+    context = vllm_servers[0].spec.max_model_len
+    proxy, url = await start_proxy(max_n=4, max_sequences_per_request=8, max_model_len=context)
+    model = str(tiny_model_dir)
+    too_many = {"model": model, "prompt": [[1, 20], [1, 21], [1, 22]], "n": 3, "max_tokens": 2}
+    status, body = await post_json(f"{url}/v1/completions", too_many)
+    assert status == 400, body
+    assert body["error"]["message"] == (
+        "the request asks for 9 sequences (3 prompts x n=3); at most 8 per request (proxy.max_sequences_per_request)"
+    )
+    assert body["error"]["type"] == "BadRequestError" and body["error"]["param"] == "prompt"
+    for over_context, needle in (
+        ({"prompt": "1+1", "max_tokens": context + 1}, f"cannot be greater than max_model_len={context}"),
+        ({"prompt": [1] * context, "max_tokens": 1}, "no room for a completion"),
+    ):
+        payload = {"model": model, **over_context}
+        status, body = await post_json(f"{url}/v1/completions", payload)
+        assert status == 400 and needle in body["error"]["message"], body
+        direct_status, direct = await post_json(f"{vllm_servers[0].url}/v1/completions", payload)
+        assert direct_status == 400, direct  # vLLM refuses it too: the proxy only answers sooner
+    assert sum(r["requests"] for r in replica_stats(proxy)) == 0
+
+    # At the limit, and a long prompt whose max_tokens vLLM caps at what the context leaves: both served.
+    status, body = await post_json(
+        f"{url}/v1/completions", {**too_many, "prompt": [[1, 20], [1, 21]], "n": 4}
+    )
+    assert status == 200 and len(body["choices"]) == 8, body
+    status, body = await post_json(
+        f"{url}/v1/completions", {"model": model, "prompt": [1] * (context - 2), "max_tokens": 8}
+    )
+    assert status == 200 and body["usage"]["completion_tokens"] <= 2, body
 
 
 async def test_auth_token_guards_control_routes(start_proxy):

@@ -22,7 +22,7 @@ def test_a_reused_run_name_is_refused_before_anything_starts(tiny_model_dir, tmp
     bucket = Bucket(str(tmp_path / "bucket"))
     publish_lora(bucket, "taken", 1, tiny_model_dir, tmp_path)
     done = train("run_name=taken", f"bucket.uri={tmp_path / 'bucket'}", "cluster.address=local")
-    assert done.returncode == 1
+    assert done.returncode == 2  # refused before anything started
     assert (
         "already holds adapters of a run named 'taken'" in done.stderr
         and "Pick another run_name" in done.stderr
@@ -35,5 +35,5 @@ def test_a_reused_run_name_is_refused_before_anything_starts(tiny_model_dir, tmp
 
 def test_a_wrong_config_names_the_field(tmp_path):
     done = train("run_name=x", f"bucket.uri={tmp_path}", "generator.max_loras=2")
-    assert done.returncode == 1
+    assert done.returncode == 2  # refused before anything started
     assert "generator.max_loras=2 cannot hold the live window" in done.stderr

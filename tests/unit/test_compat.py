@@ -213,7 +213,7 @@ def test_trl_names_every_runs_adapters_alike_and_queues_16_groups(tiny_model_dir
     compat.bound_score_queue(run_a, 2)
     run_a.rollout_worker.update_model_version(3)
     loop_a, loop_b = rollout_loop(run_a), rollout_loop(run_b)
-    assert run_a._lora_name == "run-a"  # the trainer publishes <run>-vN (BucketSyncTrainer._sync_weight_lora)
+    assert run_a._lora_name == "run-a"  # the trainer publishes <run>-vN (BucketSyncTrainer.sync_adapter)
     assert (loop_a._request_model, loop_b._request_model) == ("run-a-v3", "run-b-v0")
     assert loop_a._groups_to_score.maxsize == 2
 
@@ -497,3 +497,82 @@ def test_a_packed_step_trains_its_rows_as_one_token_mean():
     loss = trainer.training_step(torch.nn.Linear(1, 1), {batching.MICRO_BATCHES: micro_batches})
     assert trainer.micro_batches == 2
     assert trainer.weight.grad.item() == pytest.approx(16.0 / 4) and loss.item() == pytest.approx(0.0)
+
+
+class _Regression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(2, 1)
+
+    def forward(self, x, labels=None):
+        return {"loss": ((self.w(x).squeeze(-1) - labels) ** 2).mean()}
+
+
+class _Endless(torch.utils.data.IterableDataset):
+    """No length, as AsyncGRPOTrainer's rollout queue: transformers sizes an 'epoch' as max_steps updates."""
+
+    def __iter__(self):
+        while True:
+            yield {"x": torch.ones(2), "labels": torch.tensor(1.0)}
+
+
+def _steps_trainer(output_dir, max_steps: int):
+    from transformers import Trainer, TrainingArguments
+
+    # ignore_data_skip: AsyncGRPOTrainer forces it on.
+    args = TrainingArguments(
+        output_dir=str(output_dir), max_steps=max_steps, save_steps=2, per_device_train_batch_size=2,
+        ignore_data_skip=True, report_to="none", disable_tqdm=True, use_cpu=True, logging_steps=1,
+    )  # fmt: skip
+    trainer = Trainer(model=_Regression(), args=args, train_dataset=_Endless())
+    trainer.remove_callback(__import__("transformers").PrinterCallback)
+    return trainer
+
+
+def test_a_trainer_resumed_at_max_steps_trains_one_step_more_unless_guarded(tmp_path):
+    """Item 17, deterministically: the off-by-one of a resumed run that recorded step 29 of 28."""
+    first = _steps_trainer(tmp_path, max_steps=4)
+    first.train()
+    assert first.state.global_step == 4 and (tmp_path / "checkpoint-4").is_dir()
+    unguarded = _steps_trainer(tmp_path / "again", max_steps=4)
+    unguarded.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    assert unguarded.state.global_step == 5  # transformers' own resume: one step past max_steps
+
+    guarded = _steps_trainer(tmp_path / "guarded", max_steps=4)
+    assert compat.train_to_max_steps(guarded, str(tmp_path / "checkpoint-4")) is None
+    assert guarded.state.global_step == 0  # train() never ran: no step past the checkpoint
+    # From an earlier checkpoint it trains, to max_steps exactly.
+    earlier = _steps_trainer(tmp_path / "earlier", max_steps=4)
+    compat.train_to_max_steps(earlier, str(tmp_path / "checkpoint-2"))
+    assert earlier.state.global_step == 4
+    shorter = _steps_trainer(tmp_path / "shorter", max_steps=3)
+    with pytest.raises(ValueError, match="step 4, past max_steps=3: resume with trainer.max_steps above 4"):
+        compat.train_to_max_steps(shorter, str(tmp_path / "checkpoint-4"))
+
+
+class _SyncProbe(compat.AdapterSyncTrainer, LoraSyncTrainer):
+    def sync_adapter(self, t0):
+        self.synced_at = t0
+        return t0, t0, t0
+
+
+@cpu_only
+def test_trls_adapter_sync_is_private_and_adapter_sync_trainer_routes_and_names_it(tiny_model_dir):
+    """Item 18 on the real trainer: TRL's own sync step calls `sync_adapter`, and the private state a
+    replacement needs is where the public names say."""
+    compat.apply_trainer_workarounds()
+    args = grpo_args(**compat.training_precision_kwargs())
+    trainer = _SyncProbe(
+        model=str(tiny_model_dir), reward_funcs=[arithmetic_reward], args=args,
+        train_dataset=Dataset.from_list(make_prompts(16, seed=0)),
+        peft_config=LoraConfig(r=1, lora_alpha=2, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )  # fmt: skip
+    assert trainer.syncs_adapters is trainer._lora_sync is True
+    assert trainer.adapter_prefix == trainer._lora_name == "trl-policy"
+    assert trainer.peft_adapter == trainer._adapter_name == "default"
+    assert trainer.trained_group_ids is trainer._trained_groups
+    assert trainer.rollout_context is trainer.rollout_worker._mp_ctx
+    trainer._sync_weight()  # TRL's step that runs at train begin and after each weight_sync_steps
+    assert trainer.synced_at > 0
+    with pytest.raises(NotImplementedError):
+        compat.AdapterSyncTrainer.sync_adapter(trainer, 0.0)

@@ -83,6 +83,9 @@ def test_overrides_apply_with_the_fields_types_and_leave_the_rest_alone():
         (["lora.rank=16", "generator.max_lora_rank=8"], r"lora\.rank=16 exceeds generator\.max_lora_rank=8"),
         (["proxy.imbalance_threshold=4", "trainer.num_generations=8"],
          r"proxy\.imbalance_threshold=4 is below trainer\.num_generations=8"),
+        (["proxy.max_sequences_per_request=0"],
+         r"proxy\.max_sequences_per_request\n\s+Input should be greater than or equal to 1"),
+        (["proxy.max_sequences_per_request=64"], r"proxy\.max_n=128 exceeds proxy\.max_sequences_per_request=64"),
         (["task.prompts=jsonl"], r'task\.prompts = "jsonl" needs task\.jsonl_path'),
         (["run_name=../escape"], r"run_name='\.\./escape' may contain only"),
     ],
@@ -154,7 +157,7 @@ def test_the_deepseek_recipe_uses_the_think_grader_and_a_longer_context():
 
 @pytest.mark.parametrize("path", [QWEN, DEEPSEEK], ids=lambda p: p.name)
 def test_recipe_reward_functions_import(path):
-    from rl_cluster.trainer.actor import import_function
+    from rl_cluster.trainer.task import import_function
 
     for reward in load_config(path).task.rewards:
         assert callable(import_function(reward))

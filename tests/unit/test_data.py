@@ -15,7 +15,7 @@ from rl_cluster.core.rewards import math_reward
 from rl_cluster.data import PREPARED_ROOT, load_prepared, prepare, prepared_key
 from rl_cluster.data.__main__ import main
 from rl_cluster.data.tiny_math import all_problems, make_rows, write_task
-from rl_cluster.trainer.actor import load_prompts
+from rl_cluster.trainer.task import load_prompts
 
 TEMPLATE_TOKENS = 19  # <|im_start|>user\n ... <|im_end|>\n<|im_start|>assistant\n around the content
 
@@ -237,7 +237,7 @@ def test_each_recipes_data_pipeline_on_local_math_files(tmp_path, tokenizer_dir,
     """The recipe's own task settings (columns, answer extraction, prompt shape, reward) on MATH-layout
     files, with the hub dataset and model swapped for local ones and the lengths shrunk to the tiny
     tokenizer's context."""
-    from rl_cluster.trainer.actor import import_function
+    from rl_cluster.trainer.task import import_function
 
     paths = write_task(tmp_path / "math", train_rows=40, seed=0)
     config = load_config(

@@ -8,8 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-
-from rl_cluster.core.telemetry import all_metric_names
+from cluster.metric_names import all_metric_names
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "ray_configs" / "grafana" / "rl_cluster_dashboard.json"
 DATASOURCE = "${datasource}"

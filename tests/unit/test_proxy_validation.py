@@ -20,9 +20,11 @@ from rl_cluster.proxy.validation import (
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
-def generation_ok(route: str, body: dict) -> bool:
+def generation_ok(
+    route: str, body: dict, max_sequences: int = 1024, max_model_len: int | None = None
+) -> bool:
     try:
-        check_generation(route, body, max_n=16)
+        check_generation(route, body, max_n=16, max_sequences=max_sequences, max_model_len=max_model_len)
     except Invalid:
         return False
     return True
@@ -112,6 +114,65 @@ def test_chat_messages():
     ):
         assert not generation_ok(CHAT, {"messages": messages}), messages
     assert not generation_ok(CHAT, {"messages": [{"role": "user"}], "max_completion_tokens": 0})
+
+
+@pytest.mark.parametrize(
+    "prompt,prompts",
+    [("1+1", 1), ([1, 2, 3], 1), (["a", "b", "c"], 3), ([[1], [2, 3], [4]], 3)],
+    ids=["text", "token-ids", "texts", "token-id-lists"],
+)
+def test_sequences_are_prompts_times_n(prompt, prompts):
+    body = {"prompt": prompt, "n": 4}
+    assert generation_ok(COMPLETIONS, body, max_sequences=prompts * 4)
+    with pytest.raises(Invalid, match=rf"asks for {prompts * 4} sequences \({prompts} prompts? x n=4\); at most "
+                       rf"{prompts * 4 - 1} per request \(proxy\.max_sequences_per_request\)"):  # fmt: skip
+        check_generation(COMPLETIONS, body, max_n=16, max_sequences=prompts * 4 - 1)
+    # No n: one sample per prompt.
+    assert generation_ok(COMPLETIONS, {"prompt": prompt}, max_sequences=prompts)
+    assert not generation_ok(COMPLETIONS, {"prompt": prompt}, max_sequences=prompts - 1)
+
+
+def test_a_chat_request_is_one_prompt():
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 8}
+    assert generation_ok(CHAT, body, max_sequences=8)
+    with pytest.raises(Invalid, match=r"asks for 8 sequences \(1 prompt x n=8\); at most 7") as refused:
+        check_generation(CHAT, body, max_n=16, max_sequences=7)
+    assert refused.value.param == "n"
+
+
+def test_vllms_1024_prompts_at_the_largest_n_are_refused():
+    body = {"prompt": [[1, 2]] * 1024, "n": 128}
+    with pytest.raises(Invalid, match="asks for 131072 sequences") as refused:
+        check_generation(COMPLETIONS, body, max_n=128, max_sequences=1024)
+    assert refused.value.param == "prompt"
+    assert generation_ok(COMPLETIONS, {"prompt": [[1, 2]] * 1024})
+
+
+def test_max_tokens_is_bounded_by_the_served_context():
+    assert generation_ok(COMPLETIONS, {"prompt": "x", "max_tokens": 256}, max_model_len=256)
+    with pytest.raises(Invalid, match=r"'max_tokens'=257 cannot be greater than max_model_len=256"):
+        check_generation(
+            COMPLETIONS, {"prompt": "x", "max_tokens": 257}, max_n=1, max_sequences=1, max_model_len=256
+        )
+    messages = [{"role": "user", "content": "hi"}]
+    assert not generation_ok(CHAT, {"messages": messages, "max_completion_tokens": 257}, max_model_len=256)
+    assert not generation_ok(CHAT, {"messages": messages, "max_tokens": 257}, max_model_len=256)
+    # Chat reads max_completion_tokens when both are given (as vLLM does); the other is only range-checked.
+    assert generation_ok(
+        CHAT, {"messages": messages, "max_completion_tokens": 8, "max_tokens": 999}, max_model_len=256
+    )
+    # Unknown context (None): only the integer range.
+    assert generation_ok(COMPLETIONS, {"prompt": "x", "max_tokens": 10**6})
+
+
+def test_a_token_prompt_must_leave_room_for_a_completion():
+    # prompt + max_tokens over the context passes: vLLM caps max_tokens at what the prompt leaves.
+    assert generation_ok(COMPLETIONS, {"prompt": [1] * 255, "max_tokens": 128}, max_model_len=256)
+    for prompt in ([1] * 256, [[1], [1] * 300]):
+        with pytest.raises(
+            Invalid, match=r"a prompt of \d+ tokens leaves no room for a completion in max_model_len=256"
+        ):
+            check_generation(COMPLETIONS, {"prompt": prompt}, max_n=1, max_sequences=2, max_model_len=256)
 
 
 def test_adapter_names():

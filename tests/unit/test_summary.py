@@ -93,7 +93,7 @@ def test_exit_status_tells_success_mismatch_and_failure_apart():
         return {"status": status, "served_vs_trained_gap": gap}
 
     assert exit_status(summary(), tolerance=1e-3) == 0
-    assert exit_status(summary(gap=0.5), tolerance=1e-3) == 2  # served != trained
-    assert exit_status(summary(gap=None), tolerance=1e-3) == 2  # never checked: not a success
+    assert exit_status(summary(gap=0.5), tolerance=1e-3) == 3  # served != trained (2: refused to start)
+    assert exit_status(summary(gap=None), tolerance=1e-3) == 3  # never checked: not a success
     assert exit_status(summary("stopped"), tolerance=1e-3) == 1
     assert exit_status(summary("failed", gap=None), tolerance=1e-3) == 1

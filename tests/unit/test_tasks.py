@@ -8,7 +8,7 @@ import pytest
 from rl_cluster.config import load_config
 from rl_cluster.core.rewards import arithmetic_reward
 from rl_cluster.tiny import make_prompts
-from rl_cluster.trainer.actor import import_function, load_prompts
+from rl_cluster.trainer.task import import_function, load_prompts
 
 ROWS = [
     {"prompt": [{"role": "user", "content": "2+3"}], "answer": "5", "level": 1},

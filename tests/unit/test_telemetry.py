@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from cluster.metric_names import all_metric_names
 
 from rl_cluster.core.summary import step_record
 from rl_cluster.core.telemetry import (
@@ -12,7 +13,6 @@ from rl_cluster.core.telemetry import (
     STEP_GAUGES,
     STEP_HISTOGRAMS,
     TRAINER_METRICS,
-    all_metric_names,
     step_values,
     vllm_gauges,
 )

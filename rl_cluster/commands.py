@@ -1,0 +1,174 @@
+"""The commands of `rl-cluster` that have no module of their own: train, serve, scale, summary, runs.
+
+Each is an `add_<name>_arguments(parser)` and a `<name>(args) -> exit status`; `rl-cluster` (rl_cluster.cli)
+and the `jobs/*.py` scripts, which keep working under `ray job submit` where no console script is
+installed, both go through them. Nothing heavy is imported before the arguments are parsed and the
+config is checked, so `--help` and a config typo answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from rl_cluster.config_errors import load
+from rl_cluster.errors import RunRefused, UsageError
+
+_OVERRIDES_HELP = "dotted overrides, e.g. trainer.max_steps=20 (anywhere among the options)"
+
+
+def add_debug_argument(parser: argparse.ArgumentParser, *, inherited: bool = False) -> None:
+    """--debug; `inherited`: on a subcommand, where leaving it out must not undo `rl-cluster --debug`."""
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS if inherited else False,
+        help="show the traceback of an expected failure too",
+    )
+
+
+def guarded(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """run(args), with an expected failure before anything started (RunRefused, UsageError) as its lines
+    on stderr and its exit status, 2; its traceback only with --debug."""
+    try:
+        return run(args)
+    except RunRefused as e:
+        if getattr(args, "debug", False):
+            raise
+        print(e, file=sys.stderr)
+        return e.exit_status
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="run TOML under jobs/configs/")
+    parser.add_argument(
+        "--resume",
+        metavar="RUN_NAME",
+        help="continue this run from its newest verified checkpoint in the bucket (to trainer.max_steps)",
+    )
+    parser.add_argument("overrides", nargs="*", help=_OVERRIDES_HELP)
+
+
+def train(args: argparse.Namespace) -> int:
+    """Train a run: 0 finished and served = trained, 1 stopped or failed, 2 refused before it started,
+    3 finished but the served adapter is not the trained one (rl_cluster.core.summary.exit_status)."""
+    overrides = [*args.overrides, *([f"run_name={args.resume}"] if args.resume else [])]
+    config = load(args.config, overrides)
+    preflight(config, resume=bool(args.resume))
+    from rl_cluster.run import train_main
+
+    return train_main(config, resume=bool(args.resume))
+
+
+def preflight(config, resume: bool) -> None:
+    """What would stop a run at once, checked before Ray and the generators start (a minute saved, and
+    one line instead of a failed run): the bucket answers, the run name is free (for --resume: it has a
+    checkpoint), and a dataset task's prepared data is there. train() checks the name again itself."""
+    from rl_cluster.bucket import Bucket
+    from rl_cluster.errors import BucketUnavailable
+    from rl_cluster.run import check_fresh_run_name, check_resumable
+
+    try:
+        bucket = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url)
+        (check_resumable if resume else check_fresh_run_name)(bucket, config.run_name)
+        if config.task.prompts == "dataset":
+            from rl_cluster.data import prepared_meta
+
+            prepared_meta(config)
+    except (BucketUnavailable, FileNotFoundError, ValueError) as e:  # ValueError: a malformed bucket.uri
+        raise UsageError(str(e)) from e
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="run TOML under jobs/configs/")
+    parser.add_argument("--port", type=int, help="port the proxy binds (overrides proxy.port)")
+    parser.add_argument("overrides", nargs="*", help=_OVERRIDES_HELP)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Serve the generators behind the proxy until SIGINT or SIGTERM (rl_cluster.run.serve)."""
+    overrides = [*args.overrides, *([f"proxy.port={args.port}"] if args.port is not None else [])]
+    config = load(args.config, overrides)
+    import asyncio
+
+    from rl_cluster.run import serve as serve_run
+
+    asyncio.run(serve_run(config))
+    return 0
+
+
+def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", required=True, help="run_name of the running run")
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--replicas", type=int, help="generators the pool should run")
+    target.add_argument("--auto", action="store_true", help="hand the pool back to automatic scaling")
+    parser.add_argument("--address", help="Ray address of the run's cluster (default: RAY_ADDRESS, or auto)")
+    parser.add_argument("--no-wait", action="store_true", help="return once the controller has the target")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the pool (900)")
+
+
+def scale(args: argparse.Namespace) -> int:
+    """Set a running run's generator pool: 0 done, 1 no such run or not there in time, 2 N refused."""
+    from rl_cluster.pool import scale as scale_pool
+
+    return scale_pool(args.run, args.replicas, args.auto, args.address, not args.no_wait, args.timeout)
+
+
+def add_bucket_arguments(parser: argparse.ArgumentParser) -> None:
+    """--bucket and --s3-endpoint-url, as every command that reads a bucket without a config takes them."""
+    from rl_cluster.runs import DEFAULT_BUCKET
+
+    parser.add_argument(
+        "--bucket",
+        default=DEFAULT_BUCKET,
+        help=f"directory or s3://bucket/prefix (default: {DEFAULT_BUCKET}, as bucket.uri)",
+    )
+    parser.add_argument("--s3-endpoint-url", default=None, help="S3-compatible endpoint (for s3:// buckets)")
+
+
+def add_summary_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", help="the run's name (its directory in the bucket)")
+    add_bucket_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print summary.json itself")
+
+
+def summary(args: argparse.Namespace) -> int:
+    """Print a finished run's summary table again, from <bucket>/<run>/summary.json."""
+    from rl_cluster.bucket import Bucket
+    from rl_cluster.core.summary import summary_table
+    from rl_cluster.runs import read_summary
+
+    bucket = Bucket(args.bucket, args.s3_endpoint_url)
+    found = read_summary(bucket, args.run)
+    if found is None:
+        raise UsageError(
+            f"{bucket.run_uri(args.run)} has no summary.json: the run is still running, or its driver was "
+            "lost before it could write one"
+        )
+    print(
+        json.dumps(found, indent=2)
+        if args.json
+        else f"run {args.run} {found['status']}\n{summary_table(found)}"
+    )
+    return 0
+
+
+def add_runs_arguments(parser: argparse.ArgumentParser) -> None:
+    add_bucket_arguments(parser)
+
+
+def runs(args: argparse.Namespace) -> int:
+    """List the runs in a bucket: status, steps, final reward (mean of the last fifth of the steps) and
+    the last eval's pass@1, from each run's summary.json."""
+    from rl_cluster.bucket import Bucket
+    from rl_cluster.runs import read_summary, run_names, run_row, runs_table
+
+    bucket = Bucket(args.bucket, args.s3_endpoint_url)
+    names = run_names(bucket)
+    if not names:
+        print(f"no runs in {bucket.uri}")
+        return 0
+    print(runs_table([run_row(name, read_summary(bucket, name)) for name in names]))
+    return 0

@@ -1,0 +1,148 @@
+"""The command line a new user meets first: each test runs the real entry point (the `rl-cluster` console
+script, `jobs/*.py`, `python -m ...`) as a subprocess and checks the line it prints and its exit status.
+Nothing here starts Ray or vLLM: every command fails (or answers) before that."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from rl_cluster.core.summary import step_record, summarize, summary_table
+
+REPO = Path(__file__).resolve().parents[2]
+# Registered by `pip install -e .` (make setup) beside the interpreter running the tests.
+RL_CLUSTER = Path(sys.executable).parent / "rl-cluster"
+CPU_DEMO = REPO / "jobs/configs/cpu_demo.toml"
+CPU_MATH = REPO / "jobs/configs/cpu_math.toml"
+HEAVY = ("ray", "torch", "vllm", "transformers", "datasets")
+
+
+def run(*argv, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`rl-cluster ARGV`; a script (`jobs/x.py ...`) or `-m module ...` runs under this interpreter."""
+    assert RL_CLUSTER.exists(), f"{RL_CLUSTER} is missing: `pip install -e .` registers the console script"
+    script = argv[0].endswith(".py") or argv[0] == "-m"
+    cmd = [sys.executable, *argv] if script else [str(RL_CLUSTER), *argv]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_help_lists_every_command_and_imports_nothing_heavy():
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", str(RL_CLUSTER), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    listed = done.stdout.split("positional arguments:")[1]
+    for command in ("train", "serve", "scale", "data", "experience", "summary", "runs"):
+        assert f"\n    {command}" in listed, command
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if "|" in line}
+    assert not imported & set(HEAVY), imported & set(HEAVY)
+
+
+def test_a_typo_is_one_line_with_did_you_mean_and_exit_2():
+    done = run("train", "--config", str(CPU_DEMO), "trainer.max_stepz=3")
+    assert (done.returncode, done.stderr) == (
+        2,
+        f"{CPU_DEMO}: trainer.max_stepz: unknown field (did you mean max_steps?)\n",
+    )
+    # The jobs/ script is the same command (it must work under `ray job submit`, without the console script).
+    done = run("jobs/train_grpo.py", "--config", "jobs/configs/cpu_demo.toml", "trainer.max_steps=abc")
+    assert (done.returncode, done.stderr) == (
+        2,
+        "jobs/configs/cpu_demo.toml: trainer.max_steps: Input should be a valid integer (got 'abc')\n",
+    )
+
+
+def test_a_typo_shows_its_traceback_only_with_debug():
+    done = run("--debug", "serve", "--config", str(CPU_DEMO), "generator.replicaz=1")
+    assert done.returncode != 0 and "Traceback" in done.stderr and "did you mean replicas?" in done.stderr
+
+
+def make_bucket(root: Path) -> dict:
+    """Two runs as a run leaves them: one finished (summary.json from the real summarize()), one with only
+    the config it wrote at its start; and a prepared dataset, which is no run."""
+    history = [step_record(i + 1, {"reward": r}, i, 0.1) for i, r in enumerate([0.1] * 5 + [0.7] * 5)]
+    evals = [
+        {"step": s, "pass@1": p, "mean@k": p / 2, "k": 4, "problems": 10, "failed": 0}
+        for s, p in ((0, 0.5), (10, 0.8))
+    ]
+    syncs = [{"version": 1, "adapter": "done-1-v1", "handoff_s": 0.2, "served_vs_trained_gap": 1e-7}]
+    summary = summarize({"history": history, "syncs": syncs, "evals": evals}, {}, 12.0)
+    (root / "done-1").mkdir(parents=True)
+    (root / "done-1" / "config.resolved.json").write_text("{}")
+    (root / "done-1" / "summary.json").write_text(json.dumps(summary, indent=2))
+    (root / "going-2").mkdir()
+    (root / "going-2" / "config.resolved.json").write_text("{}")
+    (root / "datasets" / "tiny-abc").mkdir(parents=True)
+    return summary
+
+
+def test_summary_prints_a_runs_table_again_and_its_json(tmp_path):
+    summary = make_bucket(tmp_path / "b")
+    done = run("summary", "done-1", "--bucket", str(tmp_path / "b"))
+    assert (done.returncode, done.stdout) == (0, f"run done-1 finished\n{summary_table(summary)}\n")
+    assert "eval, last (step 10)" in done.stdout
+    done = run("summary", "done-1", "--bucket", str(tmp_path / "b"), "--json")
+    assert done.returncode == 0 and json.loads(done.stdout) == summary
+
+    done = run("summary", "going-2", "--bucket", str(tmp_path / "b"))
+    assert done.returncode == 2 and "going-2 has no summary.json: the run is still running" in done.stderr
+    done = run("summary", "gone", "--bucket", str(tmp_path / "b"))
+    assert (done.returncode, done.stderr) == (
+        2,
+        f"no run named 'gone' in {tmp_path / 'b'} (runs there: done-1, going-2)\n",
+    )
+
+
+def test_runs_lists_each_run_with_status_steps_reward_and_pass_at_1(tmp_path):
+    make_bucket(tmp_path / "b")
+    done = run("runs", "--bucket", str(tmp_path / "b"))
+    assert done.returncode == 0, done.stderr
+    header, *rows = [line.split("  ") for line in done.stdout.splitlines()]
+    rows = [[cell.strip() for cell in row if cell.strip()] for row in rows]
+    assert rows == [
+        ["done-1", "finished", "10", "0.700", "0.800"],
+        ["going-2", "running or lost", "-", "-", "-"],
+    ]
+    done = run("runs", "--bucket", str(tmp_path / "nowhere"))
+    assert done.returncode == 2 and done.stderr.startswith(f"no bucket at {tmp_path / 'nowhere'}")
+
+
+def test_experience_of_a_wrong_run_name_says_so_not_experience_enabled(tmp_path):
+    make_bucket(tmp_path / "b")
+    done = run("-m", "rl_cluster.experience", "dnoe-1", "--bucket", str(tmp_path / "b"))
+    assert (done.returncode, done.stderr) == (
+        2,
+        f"no run named 'dnoe-1' in {tmp_path / 'b'} (runs there: done-1, going-2)\n",
+    )
+    # A run that is there but stored nothing: then the message is about the experience store.
+    done = run("experience", "going-2", "--bucket", str(tmp_path / "b"))
+    assert done.returncode == 2 and "no experience shards" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_prepare_before_tiny_math_is_one_line_naming_the_command(tmp_path):
+    done = run("data", "prepare", "--config", str(CPU_MATH), f"bucket.uri={tmp_path / 'b'}", cwd=tmp_path)
+    assert (done.returncode, done.stderr) == (
+        2,
+        f"{CPU_MATH}: task.data_files: data/tiny_math/train.parquet, data/tiny_math/test.parquet not found "
+        f"(in {tmp_path}); write the tiny MATH task first: python -m rl_cluster.data tiny-math --out "
+        "data/tiny_math\n",
+    )
+    done = run("-m", "rl_cluster.data", "--debug", "prepare", "--config", str(CPU_MATH), cwd=tmp_path)
+    assert (
+        done.returncode == 1
+        and "Traceback" in done.stderr
+        and "tiny-math --out data/tiny_math" in done.stderr
+    )
+
+
+def test_train_without_prepared_data_stops_before_ray_with_exit_2(tmp_path):
+    done = run("data", "tiny-math", "--out", "data/tiny_math", "--train-rows", "8", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    done = run("train", "--config", str(CPU_MATH), f"bucket.uri={tmp_path / 'b'}", cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith(f"no prepared data for this config at {tmp_path / 'b'}/datasets/")
+    assert len(done.stderr.splitlines()) == 1 and "Ray" not in done.stdout + done.stderr

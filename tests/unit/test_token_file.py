@@ -1,0 +1,56 @@
+"""The proxy's control token on disk: a file only its owner can read, whatever was at the path before."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from rl_cluster.cluster import write_private_file
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def test_an_existing_world_readable_file_ends_up_0600(tmp_path):
+    path = tmp_path / "tokens" / "run"
+    path.parent.mkdir()
+    path.write_text("old token\n")
+    path.chmod(0o644)
+    write_private_file(str(path), "new token\n")
+    assert mode(path) == 0o600
+    assert path.read_text() == "new token\n"
+    assert os.listdir(path.parent) == ["run"]  # no temporary file left behind
+
+
+def test_a_new_file_is_0600_under_any_umask(tmp_path):
+    old = os.umask(0)
+    try:
+        write_private_file(str(tmp_path / "new" / "run"), "t\n")
+    finally:
+        os.umask(old)
+    assert mode(tmp_path / "new" / "run") == 0o600
+    assert mode(tmp_path / "new") == 0o700  # a directory it makes is private too
+
+
+def test_a_symlink_at_the_path_is_replaced_not_followed(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("not yours\n")
+    elsewhere.chmod(0o644)
+    path = tmp_path / "run"
+    path.symlink_to(elsewhere)
+    write_private_file(str(path), "token\n")
+    assert not path.is_symlink() and mode(path) == 0o600 and path.read_text() == "token\n"
+    assert elsewhere.read_text() == "not yours\n" and mode(elsewhere) == 0o644
+
+
+def test_the_runs_token_file_replaces_a_world_readable_one(tmp_path, monkeypatch):
+    from rl_cluster.run import write_token_file
+
+    monkeypatch.chdir(tmp_path)
+    old = tmp_path / ".cache" / "tokens" / "r1"
+    old.parent.mkdir(parents=True)
+    old.write_text("stale\n")
+    old.chmod(0o644)
+    path = write_token_file("r1", "fresh")
+    assert path == str(old) and mode(path) == 0o600 and old.read_text() == "fresh\n"
