@@ -13,6 +13,11 @@ class AdapterRejected(AdapterError):
     """The version is visible but is not what was published, or does not fit the replica. Not retryable."""
 
 
+class FilesDiffer(AdapterRejected):
+    """A committed directory's files are not the ones its manifest lists (missing, truncated, changed):
+    what it holds is damaged, not merely unsuitable for the reader."""
+
+
 class ReplicaServerError(AdapterError):
     """The replica's server answered a load with a 5xx. vLLM does so both when it is broken (a dead engine
     core) and for some adapters it refuses (a rank above its --max-lora-rank): the replica's health says

@@ -44,6 +44,7 @@ from rl_cluster.bucket.layout import (
     flat_files,
     lease_rel,
     plain,
+    quarantine_rel,
     run_file_rel,
     shard_rel,
 )
@@ -320,6 +321,15 @@ class Bucket:
         for version in doomed:
             self.store.delete(adapter_rel(run_name, adapter_name, version))
         return doomed
+
+    def quarantine_checkpoint(self, run_name: str, step: int) -> str:
+        """Move a checkpoint that failed verification to `<run>/quarantine/step-N-<time>/`; returns where.
+        Left in place it would still be the newest to retention (which then deletes a good one) and its
+        step could never be published again: a resumed run reaching that step would die on it."""
+        stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+        rel = quarantine_rel(run_name, step, stamp)
+        self.store.move(checkpoint_rel(run_name, step), rel)
+        return self.store.uri_of(rel)
 
     def apply_checkpoint_retention(self, run_name: str, *, keep_last: int) -> list[int]:
         """Delete all but the newest `keep_last` checkpoints (manifest first); returns their steps."""

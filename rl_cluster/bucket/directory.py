@@ -104,6 +104,11 @@ class DirectoryStore(Store):
     def delete(self, rel: str) -> None:
         self._retry(f"delete {self.uri_of(rel)}", _remove_committed, self.root / rel)
 
+    def move(self, rel: str, new_rel: str) -> None:
+        (self.root / new_rel).parent.mkdir(parents=True, exist_ok=True)
+        # One rename: readers see the directory at the old place or not at all.
+        self._retry(f"move {self.uri_of(rel)}", os.rename, self.root / rel, self.root / new_rel)
+
     def read(self, rel: str) -> bytes:
         return self._retry(f"read {self.uri_of(rel)}", (self.root / rel).read_bytes)
 

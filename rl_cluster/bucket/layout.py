@@ -30,6 +30,7 @@ from rl_cluster.core.manifest import (
 
 ADAPTERS_DIR = "adapters"
 CHECKPOINTS_DIR = "checkpoints"
+QUARANTINE_DIR = "quarantine"
 LEASE_FILE = "lease.json"  # who drives the run now (lease.py)
 
 
@@ -94,6 +95,12 @@ def checkpoint_rel(run_name: str, step: int) -> str:
 
 def shard_rel(run_name: str, seq: int, segment: str) -> str:
     return f"{plain(run_name, 'run_name')}/{EXPERIENCE_DIR}/{shard_dir_name(seq, segment)}"
+
+
+def quarantine_rel(run_name: str, step: int, stamp: str) -> str:
+    """Where a checkpoint that failed verification is kept for a person to look at: out of
+    `checkpoints/`, so no listing, retention or resume counts it, and its step can be published again."""
+    return f"{plain(run_name, 'run_name')}/{QUARANTINE_DIR}/{checkpoint_dir_name(step)}-{stamp}"
 
 
 def lease_rel(run_name: str) -> str:

@@ -165,6 +165,15 @@ class S3Store(Store):
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(key, recursive=True)
 
+    def move(self, rel: str, new_rel: str) -> None:
+        self._retry(f"move {self._key(rel)}", self._move, self._key(rel), self._key(new_rel))
+
+    def _move(self, key: str, new_key: str) -> None:
+        # Copy everything, then remove the old place manifest first (delete's order): a reader never sees
+        # a manifest at the old place whose files are gone.
+        self.fs.copy(key, new_key, recursive=True)
+        self._remove(key)
+
     def read(self, rel: str) -> bytes:
         return self._retry(f"read {self._key(rel)}", self.fs.cat_file, self._key(rel))
 

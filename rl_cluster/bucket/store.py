@@ -134,6 +134,10 @@ class Store(ABC):
         going; an absent one is no error."""
 
     @abstractmethod
+    def move(self, rel: str, new_rel: str) -> None:
+        """Move a committed directory to `new_rel` (which must not exist), manifest and all."""
+
+    @abstractmethod
     def read(self, rel: str) -> bytes:
         """A small file's bytes; FileNotFoundError when there is none."""
 

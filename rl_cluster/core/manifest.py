@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from rl_cluster.errors import AdapterRejected
+from rl_cluster.errors import AdapterRejected, FilesDiffer
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -338,14 +338,14 @@ def check_files(manifest: Mapping[str, Any], observed_files: Mapping[str, tuple[
     for name, entry in manifest["files"].items():
         observed = observed_files.get(name)
         if observed is None:
-            raise AdapterRejected(f"{name}: listed in the manifest but missing")
+            raise FilesDiffer(f"{name}: listed in the manifest but missing")
         size, sha = observed
         if size != entry["size"]:
-            raise AdapterRejected(
+            raise FilesDiffer(
                 f"{name}: size {size} != manifest {entry['size']} (truncated or still uploading?)"
             )
         if sha != entry["sha256"]:
-            raise AdapterRejected(
+            raise FilesDiffer(
                 f"{name}: sha256 {sha[:12]}… != manifest {entry['sha256'][:12]}… (corrupted or overwritten?)"
             )
 

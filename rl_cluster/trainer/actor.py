@@ -164,8 +164,10 @@ class Trainer:
     # -- training --------------------------------------------------------------------------------------
     def _newest_checkpoint(self, required: bool) -> tuple[str | None, int | None]:
         """(local directory, step) of the newest checkpoint of this run that verifies against its
-        manifest; a corrupt one is reported and the one before it is tried."""
-        from rl_cluster.errors import AdapterNotFound, AdapterRejected
+        manifest. A damaged one is quarantined (out of the listing, retention and the way of the step's
+        next publication) and the one before it is tried; one that does not fit (another base model) is
+        skipped but left alone: the run's config may be what is wrong."""
+        from rl_cluster.errors import AdapterNotFound, AdapterRejected, FilesDiffer
 
         run = self.config.run_name
         for step in reversed(self.bucket.list_checkpoints(run)):
@@ -175,6 +177,11 @@ class Trainer:
                     cache_dir=self.config.bucket.cache_dir,
                     base_fingerprint=self._base_fingerprint,
                 )
+            except FilesDiffer as e:
+                where = self.bucket.quarantine_checkpoint(run, step)
+                print(f"checkpoint step {step} is damaged ({e}): moved to {where}; trying the one before",
+                      flush=True)  # fmt: skip
+                continue
             except (AdapterRejected, AdapterNotFound) as e:
                 print(f"checkpoint step {step} is not usable ({e}); trying the one before", flush=True)
                 continue

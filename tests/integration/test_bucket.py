@@ -14,11 +14,13 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import S3_ENV, free_port, moto_s3
 
 from rl_cluster.bucket import Bucket, apply_cache_retention, directory
+from rl_cluster.bucket.layout import checkpoint_rel
 from rl_cluster.core.manifest import base_model_fingerprint
 from rl_cluster.errors import AdapterNotFound, AdapterRejected, BucketUnavailable
 
@@ -230,6 +232,41 @@ def test_checkpoint_round_trip(bucket, tmp_path):
         AdapterRejected, match=r"not a checkpoint directory .*expected <run>/checkpoints/step-<N>"
     ):
         bucket.fetch_checkpoint(adapter, cache_dir=cache)
+
+
+def test_a_damaged_checkpoint_is_quarantined_and_resume_falls_back(bucket, tmp_path, capsys):
+    """The trainer's resume meets a newest checkpoint whose optimizer state changed after it was published:
+    it is moved out of checkpoints/ (no listing, no retention count), the one before is used, and the step
+    can be published again when the resumed run reaches it."""
+    from rl_cluster.errors import FilesDiffer
+    from rl_cluster.trainer.actor import Trainer
+
+    for step in (4, 8):
+        publish_checkpoint(bucket, step, make_checkpoint(tmp_path / f"checkpoint-{step}", step))
+    damaged = f"{checkpoint_rel(RUN, 8)}/optimizer.pt"
+    bucket.store.write(damaged, flipped(bucket.store.read(damaged)))
+    with pytest.raises(FilesDiffer, match="optimizer.pt: sha256"):
+        bucket.fetch_checkpoint(bucket.checkpoint_uri(RUN, 8), cache_dir=tmp_path / "probe")
+
+    trainer = SimpleNamespace(
+        config=SimpleNamespace(run_name=RUN, bucket=SimpleNamespace(cache_dir=str(tmp_path / "cache"))),
+        bucket=bucket,
+        _base_fingerprint=FP,
+    )
+    local, step = Trainer._newest_checkpoint(trainer, required=True)
+    assert step == 4 and (Path(local) / "optimizer.pt").read_bytes() == weights_of(10_004, 4096)
+    out = capsys.readouterr().out
+    assert "checkpoint step 8 is damaged (optimizer.pt: sha256" in out and f"/{RUN}/quarantine/step-8-" in out
+    assert bucket.list_checkpoints(RUN) == [4]
+    assert bucket.apply_checkpoint_retention(RUN, keep_last=1) == []  # the damaged one counts for nothing
+    publish_checkpoint(bucket, 8, make_checkpoint(tmp_path / "again-8", 8))  # no FileExistsError
+    assert bucket.list_checkpoints(RUN) == [4, 8]
+
+    # A checkpoint of another base model is skipped, not moved: the config may be what is wrong.
+    trainer._base_fingerprint = base_model_fingerprint({**TINY, "hidden_size": 256})
+    with pytest.raises(RuntimeError, match="holds no verified checkpoint"):
+        Trainer._newest_checkpoint(trainer, required=True)
+    assert bucket.list_checkpoints(RUN) == [4, 8]
 
 
 def test_run_files_are_written_whole(bucket):
