@@ -323,9 +323,15 @@ async def test_jobs_scale_sets_the_pool_by_hand_and_scale_in_drains_under_load(c
         finally:
             await load.stop()
         assert not load.failures(), load.failures()[:5]
-        status = await pool_status(cluster)
-        grow, shrink = status["events"][-2:]
-        [gone] = shrink["replicas"]
+        # The controller records a drain's numbers once the replica stopped, which can be just after
+        # `scale` returned: read the status until the scale-in event has them.
+        for _ in range(30):
+            status = await pool_status(cluster)
+            grow, shrink = status["events"][-2:]
+            [gone] = shrink["replicas"]
+            if gone in shrink.get("drain", {}):
+                break
+            await asyncio.sleep(1)
         assert status["serving"] == [kept := ({"g0", new} - {gone}).pop()]
         assert set((await replicas(http, served))["replicas"]) == {kept}
         assert gone in {rid for _, _, _, rid in load.answers}
