@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import secrets
 import tempfile
+import time
 from dataclasses import dataclass, field
 
 import ray
@@ -33,6 +35,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.config import RunConfig
+from rl_cluster.core.placement import Request, adds_nodes, refusal, unplaceable
+from rl_cluster.errors import RunRefused
 from rl_cluster.generator.actor import GeneratorActor
 from rl_cluster.models import hf_environment
 from rl_cluster.proxy.actor import ProxyActor
@@ -116,6 +120,55 @@ def connect(config: RunConfig) -> bool:
         runtime_env=env,
     )
     return True
+
+
+def placement_requests(config: RunConfig) -> list[Request]:
+    """What each of the run's actors asks Ray for, as launch() and the trainer's options ask it."""
+    proxy = {"CPU": config.proxy.num_cpus}
+    here = None
+    if "resources" in (options := proxy_options()):
+        proxy.update(options["resources"])
+    else:
+        here = ray.get_runtime_context().get_node_id()
+    generator = {"generator": 1, "GPU": config.generator.num_gpus}
+    trainer = {"trainer": 1, "CPU": config.trainer.num_cpus, "GPU": config.trainer.num_gpus}
+    return [Request("proxy", proxy, here), Request("generator", generator), Request("trainer", trainer)]
+
+
+async def check_placeable(config: RunConfig, wait_for_report_s: float = 15.0) -> None:
+    """RunRefused, in seconds, where no live node and no autoscaler node type can ever hold one of the
+    run's actors (rl_cluster.core.placement); Ray itself would wait for ever.
+
+    Node types: those an autoscaler published to the GCS (autoscaler v2, KubeRay), read the way Ray Train
+    does (`ray._private.state`: Ray has no public API for them). Else the autoscaling status the monitor of
+    every head writes: the read-only autoscaler of a plain `ray start --head` adds no node, so only the
+    live nodes count; one with a cluster config (`ray up`) may add nodes whose types it does not publish,
+    and then, as while no status is there yet, nothing is refused."""
+    from ray._private import ray_constants
+    from ray._private.state import state
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    node_types: list[dict] = []
+    with contextlib.suppress(Exception):
+        cluster_config = state.get_cluster_config()
+        node_types = [dict(g.resources) for g in cluster_config.node_group_configs if g.max_count != 0]
+    nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+    missing = unplaceable(placement_requests(config), nodes, node_types)
+    if not missing:
+        return
+    if not node_types:
+        deadline = time.monotonic() + wait_for_report_s
+        while True:
+            status: dict = {}
+            with contextlib.suppress(Exception):
+                status = json.loads(_internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS) or "{}")
+            adds = adds_nodes(status.get("autoscaler_report"))
+            if adds is not None or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(1)
+        if adds is not False:
+            return  # an autoscaler that may add nodes of types it does not say, or none known: Ray waits
+    raise RunRefused(refusal(missing))
 
 
 def proxy_options() -> dict:

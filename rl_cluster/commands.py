@@ -65,11 +65,25 @@ def train(args: argparse.Namespace) -> int:
 def preflight(config, resume: bool) -> None:
     """What would stop a run at once, checked before Ray and the generators start (a minute saved, and
     one line instead of a failed run): the bucket answers, the run name is free (for --resume: it has a
-    checkpoint), and a dataset task's prepared data is there. train() checks the name again itself."""
+    checkpoint), and a dataset task's prepared data is there. train() checks the name again itself.
+
+    Under `ray job submit --working-dir`, the driver runs in a copy Ray unpacked on the head, deleted with
+    its session: a relative directory bucket.uri (the default `bucket` too) would put the run there,
+    where the user's checkout never sees it, so it is refused."""
+    import os
+
     from rl_cluster.bucket import Bucket
+    from rl_cluster.core.placement import is_relative_directory, ray_package_dir
     from rl_cluster.errors import BucketUnavailable
     from rl_cluster.run import check_fresh_run_name, check_resumable
 
+    package = ray_package_dir(os.getcwd())
+    if package is not None and is_relative_directory(config.bucket.uri):
+        raise UsageError(
+            f"bucket.uri={config.bucket.uri!r} is relative, and this Ray job runs in {package}, Ray's copy of "
+            "--working-dir: the run would be written there and vanish. Pass an absolute path every node "
+            "mounts (bucket.uri=/mnt/rl-bucket) or s3://bucket/prefix"
+        )
     try:
         bucket = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url)
         (check_resumable if resume else check_fresh_run_name)(bucket, config.run_name)

@@ -100,6 +100,7 @@ async def train(config: RunConfig, resume: bool = False) -> dict:
     lease.acquire()  # before the checks in _train: they are check-then-act, safe only under the lease
     loop, run = asyncio.get_running_loop(), asyncio.current_task()
     lease.start_renewing(lambda why: loop.call_soon_threadsafe(_cancel_once(run)))
+    _on_signals(_cancel_once(run))  # from here on a stop ends the run at its next await, summary.json first
     try:
         return await _train(config, bucket, lease, resume)
     finally:
@@ -109,7 +110,7 @@ async def train(config: RunConfig, resume: bool = False) -> dict:
 async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
     import ray
 
-    from rl_cluster.cluster import RunSecrets, connect, launch
+    from rl_cluster.cluster import RunSecrets, check_placeable, connect, launch
     from rl_cluster.plots import curves_png
     from rl_cluster.pool import start_pool
     from rl_cluster.trainer.actor import TrainerActor
@@ -126,7 +127,9 @@ async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
     result = {"history": [], "syncs": [], "checkpoints": []}
     try:
         loopback = connect(config)
-        _on_signals(_cancel_once(asyncio.current_task()))
+        _on_signals(_cancel_once(asyncio.current_task()))  # again: ray.init put its own SIGTERM handler in
+        if not loopback:  # a private local Ray declared the resources itself
+            await check_placeable(config)  # RunRefused in seconds where no node can ever hold an actor
         secrets = RunSecrets.for_run(config)
         print(
             f"run {config.run_name}: starting {config.generator.replicas} generators and the proxy",
@@ -152,7 +155,11 @@ async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
             print(f"  {actor:<14} on {where['address']}", flush=True)
         print(f"Ray metrics (rl_trainer_*, rl_proxy_*, rl_generator_*): {metrics_exports()}", flush=True)
         result = await cluster.trainer.train.remote(resume=resume)
-    except asyncio.CancelledError:
+    except RunRefused:
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        raise  # nothing started: no summary, exit status 2 (rl_cluster.commands.guarded)
+    except (asyncio.CancelledError, SystemExit):  # SystemExit: ray.init's own SIGTERM handler, during connect
         asyncio.current_task().uncancel()  # the stop is handled here; the cleanup's awaits must run
         if lease.lost is None:
             status = "stopped"

@@ -33,6 +33,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from rl_cluster.core.placement import ray_package_dir
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2: pad, turn start, eos
 CHARS = ["\n"] + [chr(c) for c in range(32, 127)]  # ids 3.. : newline and printable ASCII
 CHAT_TEMPLATE = (
@@ -304,8 +306,14 @@ def _build_math(out_dir: Path) -> None:
 
 
 def default_cache_dir() -> Path:
+    """`$RL_CLUSTER_CACHE`, else `<repo>/.cache`; but where the repo is a copy Ray unpacked for a job's
+    `--working-dir` (every node has one per upload, deleted with the session), `~/.cache/rl_cluster`:
+    in there each submitted job would build the model anew, on every node."""
     env = os.environ.get("RL_CLUSTER_CACHE")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / ".cache"
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parent.parent
+    return Path.home() / ".cache" / "rl_cluster" if ray_package_dir(str(repo)) else repo / ".cache"
 
 
 def ensure_tiny_model(cache_dir: str | Path | None = None, task: str = "add") -> Path:
@@ -339,7 +347,9 @@ def ensure_tiny_model(cache_dir: str | Path | None = None, task: str = "add") ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cache-dir", default=None, help="default: $RL_CLUSTER_CACHE or <repo>/.cache")
+    parser.add_argument(
+        "--cache-dir", default=None, help="default: $RL_CLUSTER_CACHE or <repo>/.cache (default_cache_dir)"
+    )
     parser.add_argument(
         "--task", choices=["add", "math"], default="add", help="the task it is warm-started on"
     )
