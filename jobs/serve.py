@@ -4,7 +4,8 @@
 
 Joins a running Ray cluster if there is one, else starts a local one; starts the configured vLLM
 generators and the proxy, prints `proxy listening on http://HOST:PORT` (and, when proxy.auth_token is
-unset, the file holding the generated control-route token), and serves until SIGINT or SIGTERM. Then it
+unset and the proxy binds beyond loopback, the file holding the generated token that every route but
+/health and /metrics demands), and serves until SIGINT or SIGTERM. Then it
 stops every vLLM server and actor it started and leaves Ray. The same as `rl-cluster serve`; a config
 that does not load is one line per problem and exit status 2.
 """

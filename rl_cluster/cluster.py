@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import os
 import secrets
@@ -58,6 +59,19 @@ class RunSecrets:
         if token is None and generate_token:
             token = secrets.token_urlsafe(32)
         return cls(replica_key=secrets.token_urlsafe(32), proxy_token=token)
+
+
+def proxy_binds_loopback(config: RunConfig, loopback: bool) -> bool:
+    """Whether the proxy listens on loopback only, as ProxyActor resolves its host (`loopback`: a private
+    local Ray, where an unset host means 127.0.0.1)."""
+    host = config.proxy.host
+    if host is None:
+        return loopback
+    if host == "localhost":
+        return True
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(host).is_loopback
+    return False  # a host name: whatever it resolves to, other machines may reach it
 
 
 def write_private_file(path: str, text: str) -> None:

@@ -237,8 +237,10 @@ class ProxyConfig(Section):
     port: int = Field(0, ge=0, le=65535)
     """Port the proxy binds; 0 picks a free one."""
     auth_token: SecretStr | None = None
-    """Bearer token required on control routes (load, unload, pause, resume, replicas). A run generates
-    one when unset; it is never logged or written to the bucket."""
+    """Bearer token required on every proxy route but /health and /metrics: generation, /v1/models,
+    /server_info and the control routes (load, unload, pause, resume, replicas). A training run generates one
+    when unset, as does `serve` unless the proxy binds loopback; it is never logged or written to the
+    bucket."""
     routing_policy: Literal["prefix", "round_robin", "least_loaded"] = "prefix"
     """How generation requests pick a replica: by prompt prefix (and adapter version) with the imbalance
     guard, or one of the two baselines the benchmarks compare it with."""

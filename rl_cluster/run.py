@@ -260,14 +260,15 @@ async def serve(config: RunConfig) -> None:
     """The generators behind the proxy until SIGINT or SIGTERM; then every process it started stops."""
     import ray
 
-    from rl_cluster.cluster import RunSecrets, connect, launch
+    from rl_cluster.cluster import RunSecrets, connect, launch, proxy_binds_loopback
     from rl_cluster.pool import start_pool
 
     stop = asyncio.Event()
     loopback = connect(config)
     _on_signals(stop.set)
-    # Off loopback the control routes always need a token; a generated one is written to a file.
-    secrets = RunSecrets.for_run(config, generate_token=not loopback)
+    # A proxy others can reach always needs a token (every route but /health, /metrics); a generated one is
+    # written to a file. On loopback it may stay open to this machine.
+    secrets = RunSecrets.for_run(config, generate_token=not proxy_binds_loopback(config, loopback))
     try:
         # A signal during the ~30 s start cancels it; launch() shuts down what it started when cancelled.
         launching = asyncio.create_task(launch(config, log_dir_for(config), secrets, loopback=loopback))
@@ -283,8 +284,10 @@ async def serve(config: RunConfig) -> None:
             cluster.pool = await start_pool(cluster)
             print(f"proxy listening on {cluster.proxy_url}", flush=True)
             if secrets.proxy_token and not config.proxy.auth_token:
+                path = write_token_file(config.run_name, secrets.proxy_token)
                 print(
-                    f"control-route token in {write_token_file(config.run_name, secrets.proxy_token)}",
+                    f"proxy token (every route but /health and /metrics) in {path}: send it as "
+                    f'-H "Authorization: Bearer $(cat {path})"',
                     flush=True,
                 )
             await stop.wait()

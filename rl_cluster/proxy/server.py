@@ -43,10 +43,9 @@ from rl_cluster.proxy.validation import (
 logger = logging.getLogger(__name__)
 
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
-# Routes that change the replicas' state (or reveal the registry) need the bearer token when one is set.
-PROTECTED_ROUTES = frozenset(
-    {"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/pause", "/resume", "/replicas"}
-)
+# With a token set, every route but these needs it: generation spends the replicas, /v1/models and
+# /server_info show what they serve, the control routes change it. Probes and scrapers stay open.
+OPEN_ROUTES = frozenset({"/health", "/metrics"})
 
 
 class _Answer(Exception):
@@ -186,7 +185,7 @@ class ProxyServer:
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Callable[[web.Request], Awaitable]):
         token = self.config.auth_token
-        if token and request.path in PROTECTED_ROUTES:
+        if token and request.path not in OPEN_ROUTES:
             # surrogatepass: a header may decode to anything; garbage must compare unequal, not crash.
             given = request.headers.get("Authorization", "").encode("utf-8", "surrogatepass")
             if not hmac.compare_digest(given, f"Bearer {token.get_secret_value()}".encode()):

@@ -362,6 +362,7 @@ class Trainer:
                 import_function(c.task.rewards[0]),
                 load_prepared(c, "eval").to_list(),
                 chat_template_kwargs=self.trainer.args.chat_template_kwargs,
+                auth_token=self.proxy.auth_token,
             )
             # Added last: its hooks run after TRL's cold sync and after each step's sync.
             self.trainer.add_callback(EvalCallback(c.eval.every_steps, self._on_eval))

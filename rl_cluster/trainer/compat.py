@@ -77,6 +77,11 @@ unpatched code fails on a CPU machine) and that the replacement is correct.
    `_lora_name`, `_adapter_name`, `_trained_groups`, the rollout worker's `_mp_ctx`).
    `AdapterSyncTrainer` routes the sync to `sync_adapter` and names those attributes publicly, so the
    rest of the package touches no private attribute of TRL's (tests/unit/test_layers.py checks it).
+19. TRL's clients of the server send no Authorization header: the VLLMClient that AsyncGRPOTrainer's
+   `__init__` makes and probes at once (`/server_info`, `/v1/models`), and the rollout loop's generation
+   posts (`_post`, in the spawned child). The proxy demands the run's token on every route but /health and
+   /metrics. `AdapterSyncTrainer(proxy_token=...)` replaces the client as TRL assigns it with an
+   `AuthorizedVLLMClient`, and `GroupPinnedRolloutLoop(auth_token=...)` posts with the header.
 """
 
 from __future__ import annotations
@@ -91,10 +96,13 @@ import os
 import threading
 from pathlib import Path
 
+import aiohttp
+import requests
 import torch
 import torch.nn.functional as F
 from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer
 from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
+from trl.experimental.async_grpo.vllm_client import VLLMClient
 
 from rl_cluster.core.admission import AdmissionWindow, admits
 
@@ -253,12 +261,15 @@ class GroupPinnedRolloutLoop(_AsyncRolloutLoop):
     stale when scored, and its adapter may be unloaded already (the trainer unloads versions that left
     the window), so its remaining samples ask for the newest version instead of failing.
     `position`: the counters shared with the trainer; None admits every group at once (TRL's behaviour).
+    `auth_token`: sent as a bearer token with every post (item 19); None sends none.
     """
 
-    def __init__(self, *args, pinned_window: int, position: TrainerPosition | None = None, **kwargs):
+    def __init__(self, *args, pinned_window: int, position: TrainerPosition | None = None,
+                 auth_token: str | None = None, **kwargs):  # fmt: skip
         super().__init__(*args, **kwargs)
         self.pinned_window = pinned_window
         self.position = position
+        self.auth_headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
         self._group_versions: dict[int, int] = {}  # group id -> version, from admission until scored
         self._admitted_samples = 0
         self._admission_lock: asyncio.Lock | None = None
@@ -279,6 +290,20 @@ class GroupPinnedRolloutLoop(_AsyncRolloutLoop):
 
     def _generate_one(self, prompt, tool_dict, tools, group_id: int = 0):
         return self._generate_in_group(group_id, prompt, tool_dict=tool_dict, tools=tools)
+
+    async def _post(self, path: str, payload: dict, timeout: float, max_retries: int = 3) -> dict:
+        # TRL's _post, with the bearer header (item 19); TRL's session carries no default headers.
+        client_timeout = aiohttp.ClientTimeout(total=timeout)
+        url = f"{self.vllm_server_url}{path}"
+
+        async def _do_post():
+            async with self.session.post(
+                url, json=payload, timeout=client_timeout, headers=self.auth_headers
+            ) as r:
+                r.raise_for_status()
+                return await r.json() or {}
+
+        return await self._retry(_do_post, label=f"POST {path}", max_attempts=max_retries)
 
     async def _generate_in_group(self, group_id: int, *args, **kwargs):
         version = self._group_versions.get(group_id)
@@ -331,15 +356,18 @@ class GroupPinnedRolloutLoop(_AsyncRolloutLoop):
         return f"{self.lora_name}-v{pinned}"
 
 
-def pin_group_versions(trainer, window: int, position: TrainerPosition | None = None) -> None:
-    """Generate each group under one adapter version (item 6), admitted against `position` (item 10);
-    before train(), which spawns the loop."""
+def pin_group_versions(
+    trainer, window: int, position: TrainerPosition | None = None, auth_token: str | None = None
+) -> None:
+    """Generate each group under one adapter version (item 6), admitted against `position` (item 10),
+    posting with `auth_token` (item 19); before train(), which spawns the loop."""
     worker = trainer.rollout_worker
     if worker._loop_cls is not _AsyncRolloutLoop:
         raise RuntimeError(f"pin_group_versions would replace a custom rollout loop {worker._loop_cls!r}")
     worker._loop_cls = GroupPinnedRolloutLoop
     worker._loop_kwargs["pinned_window"] = window
     worker._loop_kwargs["position"] = position
+    worker._loop_kwargs["auth_token"] = auth_token
 
 
 class _BatchesAsPulled:
@@ -414,9 +442,47 @@ def train_to_max_steps(trainer, checkpoint: str | None):
     return trainer.train(resume_from_checkpoint=checkpoint)
 
 
+class AuthorizedVLLMClient(VLLMClient):
+    """TRL's server client, sending a bearer token with the probes AsyncGRPOTrainer makes (item 19)."""
+
+    def __init__(self, server_url: str, server_timeout: float = 240.0, auth_token: str | None = None):
+        super().__init__(server_url, server_timeout)
+        self.headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
+
+    def _get(self, route: str, **params) -> dict:
+        response = requests.get(f"{self.server_url}{route}", params=params, headers=self.headers, timeout=60)
+        response.raise_for_status()
+        return response.json()
+
+    def get_max_model_len(self) -> int:
+        return self._get("/v1/models")["data"][0]["max_model_len"]
+
+    def get_dtype(self) -> str:
+        return self.get_server_info()["model_config"]["dtype"]
+
+    def get_server_info(self) -> dict:
+        return self._get("/server_info", config_format="json")["vllm_config"]
+
+
 class AdapterSyncTrainer(AsyncGRPOTrainer):
     """TRL's trainer whose adapter sync is `sync_adapter(t0)`, with the private state it needs named (item
-    18). `sync_adapter` returns what TRL's sync does: (saved, published, routable) times."""
+    18), and whose server client sends `proxy_token` (item 19). `sync_adapter` returns what TRL's sync
+    does: (saved, published, routable) times."""
+
+    def __init__(self, *args, proxy_token: str | None = None, **kwargs):
+        self.proxy_token = proxy_token  # before TRL's __init__, which makes the client and probes with it
+        super().__init__(*args, **kwargs)
+
+    @property
+    def vllm_client(self) -> VLLMClient | None:
+        return self.__dict__.get("vllm_client")
+
+    @vllm_client.setter
+    def vllm_client(self, client: VLLMClient | None) -> None:
+        # TRL assigns a plain VLLMClient (rank 0) or None in __init__: keep its URL and timeout, add the token.
+        if client is not None and not isinstance(client, AuthorizedVLLMClient):
+            client = AuthorizedVLLMClient(client.server_url, client.server_timeout, self.proxy_token)
+        self.__dict__["vllm_client"] = client
 
     def _sync_weight_lora(self, t0: float) -> tuple[float, float, float]:
         return self.sync_adapter(t0)

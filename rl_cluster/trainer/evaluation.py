@@ -44,9 +44,11 @@ class Evaluator:
     """Generates and grades the eval split under one adapter name at a time."""
 
     def __init__(self, config: RunConfig, proxy_url: str, tokenizer, reward_func: Callable, rows: list[dict],
-                 chat_template_kwargs: dict | None = None):  # fmt: skip
-        """`rows`: the prepared eval split's rows (a `prompt` message list and the grader's columns)."""
+                 chat_template_kwargs: dict | None = None, auth_token: str | None = None):  # fmt: skip
+        """`rows`: the prepared eval split's rows (a `prompt` message list and the grader's columns);
+        `auth_token`: the proxy's token (it demands one on generation off loopback)."""
         self.url = proxy_url.rstrip("/") + "/v1/completions"
+        self.headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
         self.eval = config.eval
         self.max_tokens = config.trainer.max_new_tokens
         self.seed = config.trainer.seed
@@ -63,7 +65,9 @@ class Evaluator:
     def _post(self, payload: dict) -> list[dict]:
         for attempt in range(ATTEMPTS):
             try:
-                response = requests.post(self.url, json=payload, timeout=REQUEST_TIMEOUT_S)
+                response = requests.post(
+                    self.url, json=payload, headers=self.headers, timeout=REQUEST_TIMEOUT_S
+                )
                 if response.status_code < 500:
                     response.raise_for_status()
                     return sorted(response.json()["choices"], key=lambda c: c["index"])

@@ -57,7 +57,7 @@ class BucketSyncTrainer(PackedStepsMixin, AdapterSyncTrainer):
         on_sample: Callable[[object, int, bool], None] | None = None,
         **kwargs,
     ):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, proxy_token=proxy.auth_token, **kwargs)
         if not self.syncs_adapters:
             raise RuntimeError(
                 "rl_cluster publishes LoRA adapters only: the trainer needs a PEFT LoRA config and generators "
@@ -68,7 +68,9 @@ class BucketSyncTrainer(PackedStepsMixin, AdapterSyncTrainer):
         name_run_adapters(self, run_name)
         self.admission = admission
         self.position = TrainerPosition(self.rollout_context, limit=admission.limit(pulled=0))
-        pin_group_versions(self, window=self.args.max_staleness, position=self.position)
+        pin_group_versions(
+            self, window=self.args.max_staleness, position=self.position, auth_token=proxy.auth_token
+        )
         bound_score_queue(self, groups=max(1, admission.limit(pulled=0) // self.args.num_generations))
         self.rollout_queue = _CountingQueue(self.rollout_queue, self._on_pull)
         self._dropped_groups: set[int] = set()

@@ -1,8 +1,8 @@
 """The trainer's calls to the proxy's control routes.
 
 TRL's VLLMClient sends no Authorization header, so with `proxy.auth_token` set its load/unload calls
-would get 401; the trainer's adapter lifecycle uses this client instead (TRL's stays for the
-read-only probes: /health, /server_info, /v1/models).
+would get 401; the trainer's adapter lifecycle uses this client instead (TRL's stays for its probes at
+start-up, /health, /server_info and /v1/models, through compat's AuthorizedVLLMClient).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ class ProxyControlError(RuntimeError):
 class ProxyClient:
     def __init__(self, url: str, auth_token: str | None = None, timeout_s: float = 600.0):
         self.url = url.rstrip("/")
+        self.auth_token = auth_token  # also what the rollout loop and the eval send (compat item 19)
         self.headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
         self.timeout_s = timeout_s
 

@@ -222,7 +222,7 @@ class Load:
             name = names[self._sent % len(names)]
             body = {"model": name, "prompt": f"#{self._sent}: {self._sent % 10}+3=", "max_tokens": max_tokens,
                     "ignore_eos": True}  # fmt: skip
-            async with self.http.post(f"{self.served.url}/v1/completions", json=body) as r:
+            async with self.http.post(f"{self.served.url}/v1/completions", json=body, headers=CONTROL) as r:
                 await r.read()
                 self.answers.append((time.monotonic(), name, r.status, r.headers.get("X-Proxy-Replica")))
             await asyncio.sleep(pause_s)

@@ -195,10 +195,14 @@ def test_ray_job_submit_across_four_nodes(cluster, hub_env, tmp_path):
                 assert (anonymous, wrong) == (401, 401), (node, route, anonymous, wrong)
                 assert right is None or right != 401, (node, route)
     assert proxy_url.startswith(f"http://{cluster.addresses['head']}:"), proxy_url
-    control = [("POST", "/pause"), ("POST", "/resume"), ("POST", "/v1/load_lora_adapter"),
-               ("POST", "/v1/unload_lora_adapter"), ("GET", "/replicas")]  # fmt: skip
-    for route, (anonymous, wrong, _) in probe(cluster, "gen0", proxy_url, "", control).items():
-        assert (anonymous, wrong) == (401, 401), route
+    # From another node: every proxy route but /health and /metrics demands the run's token, generation too.
+    guarded = [("POST", "/pause"), ("POST", "/resume"), ("POST", "/v1/load_lora_adapter"),
+               ("POST", "/v1/unload_lora_adapter"), ("GET", "/replicas"), ("POST", "/v1/completions"),
+               ("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/server_info")]  # fmt: skip
+    proxy_routes = probe(cluster, "gen0", proxy_url, "", [*guarded, ("GET", "/health"), ("GET", "/metrics")])
+    for route, (anonymous, wrong, _) in proxy_routes.items():
+        expected = (200, 200) if route in ("GET /health", "GET /metrics") else (401, 401)
+        assert (anonymous, wrong) == expected, route
     keys = [key for _, key in servers.values()]
 
     # Ray's own metrics export, on each node: every rl_cluster metric of this run, from the actor there.

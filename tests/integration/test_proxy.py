@@ -473,19 +473,42 @@ async def test_max_sequences_and_context_bound_requests(start_proxy, vllm_server
     assert status == 200 and body["usage"]["completion_tokens"] <= 2, body
 
 
-async def test_auth_token_guards_control_routes(start_proxy):
+async def test_a_token_guards_every_route_but_health_and_metrics(start_proxy, tiny_model_dir):
     _, url = await start_proxy(auth_token="s3cret")
+    right, wrong = {"Authorization": "Bearer s3cret"}, {"Authorization": "Bearer s3cretx"}
     for path in ("/pause", "/resume", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
         status, body = await post_json(f"{url}{path}", {})
         assert status == 401, path
-    headers = {"Authorization": "Bearer s3cret"}
+    # Generation spends the replicas: without the token it never reaches one.
+    completion = {"model": str(tiny_model_dir), "prompt": "1+2", "max_tokens": 2}
+    chat = {"model": str(tiny_model_dir), "messages": [{"role": "user", "content": "1+2"}], "max_tokens": 2}
+    for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+        for headers in (None, wrong):
+            status, answer = await post_json(f"{url}{path}", body, headers)
+            assert status == 401 and answer["error"]["type"] == "UnauthorizedError", (path, answer)
+        status, answer = await post_json(f"{url}{path}", body, right)
+        assert status == 200 and answer["choices"], (path, answer)
     async with aiohttp.ClientSession() as session:
-        async with session.get(f"{url}/replicas") as r:
-            assert r.status == 401
-        async with session.get(f"{url}/replicas", headers=headers) as r:
-            assert r.status == 200 and set((await r.json())["replicas"]) == set(REPLICA_IDS)
-        async with session.get(f"{url}/health") as r:
-            assert r.status == 200  # read-only routes stay open (TRL sends no token)
+        for path in ("/replicas", "/v1/models", "/server_info"):  # what the replicas serve, and how
+            async with session.get(f"{url}{path}") as r:
+                assert r.status == 401, path
+            async with session.get(f"{url}{path}", headers=right) as r:
+                assert r.status == 200, path
+        async with session.get(f"{url}/replicas", headers=right) as r:
+            assert set((await r.json())["replicas"]) == set(REPLICA_IDS)
+        for path in ("/health", "/metrics"):  # probes and scrapers stay open
+            async with session.get(f"{url}{path}") as r:
+                assert r.status == 200, path
+    # TRL's client sends no token (compat item 19); the authorized one reads the server's config.
+    from requests import HTTPError
+
+    from rl_cluster.trainer.compat import AuthorizedVLLMClient
+
+    with pytest.raises(HTTPError, match="401"):
+        await asyncio.to_thread(trl_client(url).get_server_info)
+    info = await asyncio.to_thread(AuthorizedVLLMClient(url, auth_token="s3cret").get_server_info)
+    assert info["parallel_config"]["data_parallel_size"] == 1 and info["lora_config"]["max_loras"] >= 1
+    assert await asyncio.to_thread(AuthorizedVLLMClient(url, auth_token="s3cret").get_max_model_len) > 0
 
 
 async def test_http_control_maps_vllm_answers(vllm_servers, tmp_path):

@@ -34,6 +34,7 @@ HOSTILE_VALUES = [
 ]  # fmt: skip
 CONTROL_PATHS = ["/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/pause", "/resume", "/replicas"]
 KNOWN_PATHS = ["/v1/completions", "/v1/chat/completions", "/health", "/v1/models", "/server_info", "/metrics"]
+GUARDED_PATHS = [*CONTROL_PATHS, "/v1/completions", "/v1/chat/completions", "/v1/models", "/server_info"]
 
 
 @dataclass
@@ -73,7 +74,8 @@ def make_cases(rng: random.Random, base_model: str, bucket: str) -> list[Case]:
     cases: list[Case] = []
 
     def add(kind, method, path, body=None, headers=None, raw=None):
-        cases.append(Case(kind, method, path, body, headers if headers is not None else json_headers, raw))
+        # The proxy holds a token: every case carries it but those about credentials.
+        cases.append(Case(kind, method, path, body, headers if headers is not None else auth, raw))
 
     # Bodies that are not JSON objects, or JSON only a lax parser accepts.
     valid = dumps(completion(rng, base_model))
@@ -186,21 +188,21 @@ def make_cases(rng: random.Random, base_model: str, bucket: str) -> list[Case]:
                             "mode=keep&mode=abort&x=y", "a=" + "b" * 500, "mode=💥"])  # fmt: skip
         add("pause-query", "POST", f"/pause?{query}", b"", auth)
 
-    # Garbage credentials on control routes.
+    # Garbage credentials on every guarded route: control, generation, info.
     for _ in range(100):
         token = rng.choice(["", "Bearer", "Bearer ", f"Bearer {TOKEN}x", f"bearer {TOKEN}", "Basic Zm9vOmJhcg==",
                             "Bearer " + "A" * 4000, f"Bearer  {TOKEN}", TOKEN, "Bearer \t"])  # fmt: skip
-        path = rng.choice(CONTROL_PATHS)
+        path = rng.choice(GUARDED_PATHS)
         add(
             "auth",
-            "GET" if path == "/replicas" else "POST",
+            "GET" if path in ("/replicas", "/v1/models", "/server_info") else "POST",
             path,
-            b"{}",
+            valid if path in (gen, chat_path) else b"{}",
             {**json_headers, "Authorization": token},
         )
     for _ in range(20):
         garbage = bytes(rng.choice([0xFF, 0xC3, 0x80, 0xE2, 0x28, 0x41]) for _ in range(rng.randrange(1, 30)))
-        path = rng.choice(CONTROL_PATHS).encode()
+        path = rng.choice(GUARDED_PATHS).encode()
         raw = (
             b"POST "
             + path
@@ -213,14 +215,15 @@ def make_cases(rng: random.Random, base_model: str, bucket: str) -> list[Case]:
     # Garbage headers on generations (one is forwarded: X-Request-Id).
     for _ in range(30):
         headers = {"Content-Type": rng.choice(["application/json", "text/plain", "", "multipart/form-data; boundary=x"]),
-                   "X-Request-Id": rng.choice(["", "a" * 3000, "\t", "id-1", "ü"])}  # fmt: skip
+                   "X-Request-Id": rng.choice(["", "a" * 3000, "\t", "id-1", "ü"]), "Authorization": f"Bearer {TOKEN}"}  # fmt: skip
         add("headers", "POST", gen, dumps(completion(rng, base_model)), headers)
     for _ in range(20):
         request_id = bytes(
             rng.choice([0xFF, 0xE2, 0x80, 0x41, 0x7F, 0x01]) for _ in range(rng.randrange(1, 20))
         )
         body = dumps(completion(rng, base_model))
-        raw = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Request-Id: "
+        raw = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer "
+               + TOKEN.encode() + b"\r\nX-Request-Id: "
                + request_id + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
         add("headers-raw", "POST", "/v1/completions", raw=raw)
 
@@ -328,7 +331,9 @@ async def test_fuzz(vllm_servers, tiny_model_dir, fuzz_bucket):
             async with session.get(f"{url}/health") as r:
                 assert r.status == 200
             payload = {"model": str(tiny_model_dir), "prompt": "1+2", "max_tokens": 3}
-            async with session.post(f"{url}/v1/completions", json=payload) as r:
+            async with session.post(
+                f"{url}/v1/completions", json=payload, headers={"Authorization": f"Bearer {TOKEN}"}
+            ) as r:
                 assert r.status == 200 and (await r.json())["choices"][0]["text"] is not None
     finally:
         await proxy.stop()

@@ -61,7 +61,7 @@ async def test_a_killed_server_comes_back_caught_up_and_the_pool_shrinks_and_gro
     bucket = Bucket(config.bucket.uri)
     v1, v2, v3 = (publish_lora(bucket, run, v, tiny_model_dir, tmp_path) for v in (1, 2, 3))
     secrets = RunSecrets.for_run(config)
-    control = {"Authorization": f"Bearer {secrets.proxy_token}"}
+    control = {"Authorization": f"Bearer {secrets.proxy_token}"}  # every route but /health, /metrics
     cluster = await launch(config, str(tmp_path / "logs"), secrets)
     try:
         async with aiohttp.ClientSession() as http:
@@ -101,7 +101,9 @@ async def test_a_killed_server_comes_back_caught_up_and_the_pool_shrinks_and_gro
                 replicas_seen = set()
                 for i in range(12):
                     request = {"model": model, "prompt": prompt.format(i), "max_tokens": 2}
-                    async with http.post(f"{cluster.proxy_url}/v1/completions", json=request) as r:
+                    async with http.post(
+                        f"{cluster.proxy_url}/v1/completions", json=request, headers=control
+                    ) as r:
                         assert r.status == 200, await r.text()
                         replicas_seen.add(r.headers["X-Proxy-Replica"])
                 return replicas_seen
@@ -138,7 +140,7 @@ async def test_a_killed_server_comes_back_caught_up_and_the_pool_shrinks_and_gro
             assert g2["state"] == "active" and {f"{run}-v1", f"{run}-v3"} <= set(g2["adapters_loaded"]), g2
             await cluster.remove_generator("g0")
             request = {"model": f"{run}-v2", "prompt": "1+2=", "max_tokens": 4}
-            async with http.post(f"{cluster.proxy_url}/v1/completions", json=request) as r:
+            async with http.post(f"{cluster.proxy_url}/v1/completions", json=request, headers=control) as r:
                 assert r.status == 200, await r.text()
                 assert r.headers["X-Proxy-Replica"] == "g2"
     finally:

@@ -2,6 +2,7 @@
 correct: TRL's own objects (its attention function, config, trainer and rollout loop) misbehave without
 it and behave with it. No vLLM server is started; the trainer is built but never trained."""
 
+import asyncio
 import importlib.util
 import multiprocessing as mp
 import os
@@ -9,7 +10,9 @@ import signal
 import tempfile
 import time
 
+import aiohttp
 import pytest
+import requests
 import spawn_targets
 import torch
 import torch.nn.functional as F
@@ -18,10 +21,13 @@ from peft import LoraConfig
 from trl.experimental.async_grpo import AsyncGRPOConfig, async_grpo_trainer, packing
 from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer, select_adapter_sync
 from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
+from trl.experimental.async_grpo.vllm_client import VLLMClient
 from trl.trainer.utils import get_peak_flops_per_device as trl_peak_flops
 
+from rl_cluster.config import ProxyConfig
 from rl_cluster.core.admission import AdmissionWindow
 from rl_cluster.core.rewards import arithmetic_reward
+from rl_cluster.proxy.server import ProxyServer
 from rl_cluster.tiny import make_prompts
 from rl_cluster.trainer import batching, compat
 
@@ -128,8 +134,9 @@ _OUTPUT_ROOT = tempfile.TemporaryDirectory(prefix="rl_cluster-test-compat-")
 def grpo_args(**overrides) -> AsyncGRPOConfig:
     return AsyncGRPOConfig(
         output_dir=tempfile.mkdtemp(dir=_OUTPUT_ROOT.name), report_to="none",
-        vllm_server_base_url="http://127.0.0.1:9",  # never contacted: the trainer is built, not trained
-        per_device_train_batch_size=8, num_generations=4, max_steps=1, **overrides,
+        per_device_train_batch_size=8, num_generations=4, max_steps=1,
+        # Never contacted unless a test says where: the trainer is built, not trained.
+        **{"vllm_server_base_url": "http://127.0.0.1:9", **overrides},
     )  # fmt: skip
 
 
@@ -149,10 +156,10 @@ def build_trainer(model_dir, args: AsyncGRPOConfig) -> AsyncGRPOTrainer:
     )  # fmt: skip
 
 
-def rollout_loop(trainer) -> _AsyncRolloutLoop:
+def rollout_loop(trainer, cls: type = _AsyncRolloutLoop) -> _AsyncRolloutLoop:
     """The rollout loop exactly as TRL's worker process builds it from the worker's forwarded kwargs."""
     worker, ctx = trainer.rollout_worker, mp.get_context("spawn")
-    loop = _AsyncRolloutLoop(
+    loop = cls(
         **worker._loop_kwargs, rollout_buffer=worker.rollout_buffer,
         model_version_value=worker._model_version_value, heartbeat_value=worker._heartbeat_value,
         failed_event=worker._failed_event, exception_info_queue=worker._exception_info_queue,
@@ -576,3 +583,39 @@ def test_trls_adapter_sync_is_private_and_adapter_sync_trainer_routes_and_names_
     assert trainer.synced_at > 0
     with pytest.raises(NotImplementedError):
         compat.AdapterSyncTrainer.sync_adapter(trainer, 0.0)
+
+
+async def test_trls_clients_send_no_token_and_the_authorized_ones_do(tiny_model_dir):
+    """Item 19 against the real proxy holding a token, with no replica behind it: TRL's client probe and
+    its rollout loop's generation post get 401; ours get past the token (then 503: no replica)."""
+    proxy = ProxyServer(ProxyConfig(auth_token="s3cret", unavailable_timeout_s=0.2))
+    url = await proxy.start()
+    try:
+        # requests blocks: in a thread, or it would block the loop the proxy serves on.
+        with pytest.raises(requests.HTTPError, match="401"):
+            await asyncio.to_thread(VLLMClient(url).get_server_info)
+        with pytest.raises(requests.HTTPError, match="503"):
+            await asyncio.to_thread(compat.AuthorizedVLLMClient(url, auth_token="s3cret").get_server_info)
+
+        compat.apply_trainer_workarounds()
+        trainer = _SyncProbe(
+            model=str(tiny_model_dir), reward_funcs=[arithmetic_reward],
+            args=grpo_args(vllm_server_base_url=url, **compat.training_precision_kwargs()),
+            train_dataset=Dataset.from_list(make_prompts(16, seed=0)), proxy_token="s3cret",
+            peft_config=LoraConfig(r=1, lora_alpha=2, target_modules="all-linear", task_type="CAUSAL_LM"),
+        )  # fmt: skip
+        # The client TRL made and assigned in its __init__ is the authorized one, at TRL's URL.
+        assert isinstance(trainer.vllm_client, compat.AuthorizedVLLMClient)
+        assert trainer.vllm_client.server_url == url
+        plain = rollout_loop(trainer)
+        compat.pin_group_versions(trainer, window=2, auth_token="s3cret")
+        pinned = rollout_loop(trainer, compat.GroupPinnedRolloutLoop)
+        body = {"model": str(tiny_model_dir), "prompt": [1, 20], "max_tokens": 1}
+        async with aiohttp.ClientSession() as session:
+            for loop, status in ((plain, 401), (pinned, 503)):
+                loop.session = session
+                with pytest.raises(aiohttp.ClientResponseError) as answer:
+                    await loop._post("/v1/completions", body, timeout=30, max_retries=1)
+                assert answer.value.status == status
+    finally:
+        await proxy.stop()

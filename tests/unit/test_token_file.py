@@ -1,4 +1,5 @@
-"""The proxy's control token on disk: a file only its owner can read, whatever was at the path before."""
+"""The proxy's token: on disk a file only its owner can read, whatever was at the path before; always one
+where the proxy binds beyond loopback."""
 
 from __future__ import annotations
 
@@ -54,3 +55,22 @@ def test_the_runs_token_file_replaces_a_world_readable_one(tmp_path, monkeypatch
     old.chmod(0o644)
     path = write_token_file("r1", "fresh")
     assert path == str(old) and mode(path) == 0o600 and old.read_text() == "fresh\n"
+
+
+def test_serve_generates_a_token_unless_the_proxy_binds_loopback():
+    """What `serve` passes as generate_token: a proxy others can reach always has a token (issue: a
+    loopback Ray with proxy.host=0.0.0.0 once served with none)."""
+    from rl_cluster.cluster import RunSecrets, proxy_binds_loopback
+    from rl_cluster.config import RunConfig
+
+    def binds_loopback(host, private_ray):
+        return proxy_binds_loopback(RunConfig(run_name="t", proxy={"host": host}), private_ray)
+
+    assert binds_loopback(None, True) and not binds_loopback(None, False)  # unset: as ProxyActor resolves it
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert binds_loopback(host, False), host
+    for host in ("0.0.0.0", "::", "10.231.7.1", "head.internal"):
+        assert not binds_loopback(host, True), host
+    config = RunConfig(run_name="t", proxy={"host": "0.0.0.0"})
+    secrets = RunSecrets.for_run(config, generate_token=not proxy_binds_loopback(config, True))
+    assert secrets.proxy_token and len(secrets.proxy_token) >= 32
