@@ -39,16 +39,19 @@ from rl_cluster.config import RunConfig
 from rl_cluster.core.placement import Request, adds_nodes, refusal, unplaceable
 from rl_cluster.errors import RunRefused
 from rl_cluster.generator.actor import GeneratorActor
-from rl_cluster.models import hf_environment
+from rl_cluster.models import hf_environment, secret_environment
 from rl_cluster.proxy.actor import ProxyActor
 
 
 @dataclass(frozen=True)
 class RunSecrets:
-    """The run's two secrets (repr hides them: dataclasses print their fields in tracebacks and logs)."""
+    """The run's two secrets, and the driver's HF_TOKEN / WANDB_API_KEY (repr hides them: dataclasses
+    print their fields in tracebacks and logs). All reach the actors as constructor arguments, which Ray's
+    dashboard, job API and state API do not show (a runtime_env's env_vars they show to anyone)."""
 
     replica_key: str | None = field(default=None, repr=False)
     proxy_token: str | None = field(default=None, repr=False)
+    environment: dict[str, str] = field(default_factory=dict, repr=False)
 
     @classmethod
     def for_run(cls, config: RunConfig, generate_token: bool = True) -> RunSecrets:
@@ -58,7 +61,7 @@ class RunSecrets:
         token = configured.get_secret_value() if configured else None
         if token is None and generate_token:
             token = secrets.token_urlsafe(32)
-        return cls(replica_key=secrets.token_urlsafe(32), proxy_token=token)
+        return cls(replica_key=secrets.token_urlsafe(32), proxy_token=token, environment=secret_environment())
 
 
 def proxy_binds_loopback(config: RunConfig, loopback: bool) -> bool:
@@ -101,7 +104,8 @@ def runtime_env() -> dict:
             "TRL_EXPERIMENTAL_SILENCE": "1",
             "PYTHONWARNINGS": "ignore:TRL currently supports vLLM versions",
             "TOKENIZERS_PARALLELISM": "false",
-            # Every node resolves a hub model the way the driver's environment says (cache, offline, token).
+            # Every node resolves a hub model the way the driver's environment says (cache, offline); the
+            # token is no env_var here, where the dashboard shows it: RunSecrets hands it to the actors.
             **hf_environment(),
         }
     }
@@ -332,7 +336,12 @@ def generator_actor(cluster: Cluster, replica_id: str):
         num_gpus=config.generator.num_gpus,
         resources={"generator": 1},
     ).remote(
-        replica_id, config, cluster.log_dir, api_key=cluster.secrets.replica_key, loopback=cluster.loopback
+        replica_id,
+        config,
+        cluster.log_dir,
+        api_key=cluster.secrets.replica_key,
+        loopback=cluster.loopback,
+        environment=cluster.secrets.environment,
     )
 
 

@@ -335,7 +335,8 @@ class LoggingConfig(Section):
     wandb: Literal["offline", "online", "off"] = "offline"
     """Weights & Biases logging of every step's metrics, the evals, the config and the summary. "offline"
     writes the run under `<trainer's working dir>/wandb/` for `wandb sync` later (no account, no network);
-    "online" needs WANDB_API_KEY in the trainer's environment (runtime_env env_vars)."""
+    "online" needs WANDB_API_KEY in the driver's or the trainer node's environment (never in a
+    runtime_env, which the Ray dashboard shows)."""
     wandb_project: str = "rl_cluster"
     """W&B project the run is logged to."""
     wandb_entity: str | None = None

@@ -17,7 +17,11 @@ from pathlib import Path
 from rl_cluster.core.manifest import base_model_fingerprint
 
 # Hugging Face variables a node needs to resolve a hub id the way the driver's environment meant it.
-HF_ENV = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_ENDPOINT", "HF_TOKEN", "HF_HUB_ENABLE_HF_TRANSFER")
+# How every node resolves a hub model, as the driver's environment says: not secret, so in the runtime_env.
+HF_ENV = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_ENDPOINT", "HF_HUB_ENABLE_HF_TRANSFER")
+# Secrets the actors may need, handed to them by the driver as constructor arguments (RunSecrets): a
+# runtime_env's env_vars are shown by the Ray dashboard, the job API and the state API to anyone.
+SECRET_ENV = ("HF_TOKEN", "WANDB_API_KEY")
 # Locally made models (rl_cluster.tiny) by `model.path` name -> the task each is warm-started on.
 TINY_MODELS = {"tiny": "add", "tiny-math": "math"}
 # Formats neither vLLM nor transformers read when safetensors are there: not worth a download.
@@ -69,5 +73,10 @@ def model_fingerprint(model_dir: str | Path) -> str:
 
 
 def hf_environment() -> dict[str, str]:
-    """The Hugging Face variables set here, to hand to every actor of the run."""
+    """The Hugging Face variables set here (but the token), for every actor's runtime_env."""
     return {name: os.environ[name] for name in HF_ENV if name in os.environ}
+
+
+def secret_environment() -> dict[str, str]:
+    """The secrets of SECRET_ENV set here, to hand to the actors outside any runtime_env."""
+    return {name: os.environ[name] for name in SECRET_ENV if os.environ.get(name)}

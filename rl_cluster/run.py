@@ -149,7 +149,7 @@ async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
             # A trainer that dies is restarted and its train() call re-run: it resumes from a checkpoint.
             max_restarts=config.trainer.max_restarts,
             max_task_retries=config.trainer.max_restarts,
-        ).remote(config, cluster.proxy_url, secrets.proxy_token, secrets.replica_key)
+        ).remote(config, cluster.proxy_url, secrets.proxy_token, secrets.replica_key, secrets.environment)
         cluster.placement["trainer"] = await cluster.trainer.placement.remote()
         for actor, where in cluster.placement.items():
             print(f"  {actor:<14} on {where['address']}", flush=True)

@@ -61,10 +61,13 @@ class Generator:
         log_dir: str,
         api_key: str | None = None,
         loopback: bool = True,
+        environment: dict[str, str] | None = None,
     ):
         """`api_key`: the run's replica key, demanded by the server on every route but /health.
         `loopback`: bind 127.0.0.1 (a private local Ray), else this node's address, where the proxy on
-        another node reaches it."""
+        another node reaches it. `environment`: the driver's secrets (HF_TOKEN), for this process and
+        the vLLM server it starts."""
+        os.environ.update(environment or {})
         self.replica_id = replica_id
         self.config = config
         self.api_key = api_key

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -28,9 +29,10 @@ RUN_STATE = "rl_cluster_state.json"  # in each checkpoint: the run's record up t
 
 class Trainer:
     def __init__(self, config: RunConfig, proxy_url: str, proxy_token: str | None = None,
-                 replica_key: str | None = None):  # fmt: skip
-        """`proxy_token`: for the proxy's control routes; `replica_key`: for the served-vs-trained check,
-        which samples from each replica directly."""
+                 replica_key: str | None = None, environment: dict[str, str] | None = None):  # fmt: skip
+        """`proxy_token`: for the proxy; `replica_key`: for the served-vs-trained check, which samples
+        from each replica directly; `environment`: the driver's secrets (HF_TOKEN, WANDB_API_KEY)."""
+        os.environ.update(environment or {})
         self.config = config
         self.proxy_url = proxy_url
         configured = config.proxy.auth_token

@@ -74,7 +74,7 @@ class WandbLog:
         except Exception as e:
             raise RuntimeError(
                 f'wandb.init failed (logging.wandb = "{settings.wandb}"): {str(e).rstrip(".")}. Set logging.wandb = "off" or '
-                '"offline", or give the trainer WANDB_API_KEY (runtime_env env_vars) to log online.'
+                "\"offline\", or set WANDB_API_KEY in the driver's or the trainer node's environment to log online."
             ) from e
 
     @staticmethod

@@ -45,9 +45,12 @@ class NamespaceCluster:
     """`nodes`: name -> custom resources, the first one is the head. Node i gets `<subnet>.<i+1>`."""
 
     def __init__(self, prefix: str, subnet: str, nodes: dict[str, dict], env: dict[str, str] | None = None,
-                 num_cpus: int = 1, head_args: list[str] = (), host_address: bool = False):  # fmt: skip
+                 num_cpus: int = 1, head_args: list[str] = (), host_address: bool = False,
+                 node_env: dict[str, dict[str, str]] | None = None):  # fmt: skip
         """`head_args`: more `ray start --head` flags (e.g. --autoscaling-config). `host_address`: give the
-        bridge `<subnet>.254`, so this process (outside every namespace) reaches the nodes' servers."""
+        bridge `<subnet>.254`, so this process (outside every namespace) reaches the nodes' servers.
+        `node_env`: more environment for one node's Ray (what a pod spec's env or a node's profile sets)."""
+        self.node_env = node_env or {}
         self.tag = uuid.uuid4().hex[:4]
         self.prefix = f"{prefix}{self.tag}"
         self.subnet = subnet
@@ -172,7 +175,7 @@ class NamespaceCluster:
             Path("/tmp/ray").mkdir(exist_ok=True)
             # The bind mount lives in this `ip netns exec`'s mount namespace, which Ray's daemons inherit.
             script = f"mount --bind {private} /tmp/ray && exec {' '.join(map(shlex.quote, cmd))}"
-            self.run(node, ["sh", "-c", script], timeout=180)
+            self.run(node, ["sh", "-c", script], timeout=180, env=self.node_env.get(node))
 
     def wait_for_nodes(self, timeout_s: float = 180) -> None:
         # Through the dashboard: a driver here would look for the head's sockets in a /tmp/ray it cannot see.

@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -31,12 +32,15 @@ pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[2]
 NODES = {"head": {}, "trainer": {"trainer": 1}, "gen0": {"generator": 1}, "gen1": {"generator": 1}}
 HUB_ID = "local/tiny-qwen2"
+# In the head's environment only, as a pod spec's secret would put them: the driver inherits them and hands
+# them to the actors; no Ray view of the job may show them.
+HEAD_SECRETS = {"HF_TOKEN": "hf_fake" + uuid.uuid4().hex, "WANDB_API_KEY": "fakewandb" + uuid.uuid4().hex}
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    ns = NamespaceCluster("rlc", "10.231.7", NODES)
+    ns = NamespaceCluster("rlc", "10.231.7", NODES, node_env={"head": HEAD_SECRETS})
     ns.start()
     try:
         yield ns
@@ -99,6 +103,29 @@ def wait_terminal(cluster, job_id: str, timeout_s: float) -> str:
     return status
 
 
+def environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(item.split("=", 1) for item in raw if "=" in item)
+
+
+STATE = """
+import json, sys, urllib.request
+from ray.util.state import list_actors, list_jobs, list_placement_groups, list_tasks
+url = sys.argv[1]
+views = {"api/jobs": urllib.request.urlopen(url + "/api/jobs/", timeout=60).read().decode()}
+for name, lister in (("actors", list_actors), ("tasks", list_tasks), ("placement groups", list_placement_groups),
+                     ("jobs", list_jobs)):
+    views[name] = json.dumps(lister(address=url, detail=True, limit=10000, raise_on_missing_output=False), default=str)
+print(json.dumps(views))
+"""
+
+
+def ray_views(cluster: NamespaceCluster) -> dict[str, str]:
+    """What Ray shows anyone who opens the job API or the state API: view -> its text."""
+    out = cluster.run("head", ["python", "-c", STATE, cluster.dashboard], timeout=180).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def vllm_servers(cluster: NamespaceCluster) -> dict[str, tuple[str, str]]:
     """node -> (URL the replica's vLLM listens on, its key), read off the running processes."""
     servers = {}
@@ -106,12 +133,8 @@ def vllm_servers(cluster: NamespaceCluster) -> dict[str, tuple[str, str]]:
         for pid in pids:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
             if "--host" in argv:
-                environ = dict(
-                    item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
-                    if "=" in item
-                )  # fmt: skip
                 url = f"http://{argv[argv.index('--host') + 1]}:{argv[argv.index('--port') + 1]}"
-                servers[node] = (url, environ.get("VLLM_API_KEY", ""))
+                servers[node] = (url, environ(pid).get("VLLM_API_KEY", ""))
     return servers
 
 
@@ -194,6 +217,11 @@ def test_ray_job_submit_across_four_nodes(cluster, hub_env, tmp_path):
             else:
                 assert (anonymous, wrong) == (401, 401), (node, route, anonymous, wrong)
                 assert right is None or right != 401, (node, route)
+    # The driver's secrets reached the actors on the other nodes (not through a runtime_env).
+    for node, pids in cluster.vllm_pids().items():
+        assert all(environ(pid).get("HF_TOKEN") == HEAD_SECRETS["HF_TOKEN"] for pid in pids), node
+    trainer_envs = [environ(pid) for pid in cluster.pids()["trainer"] if Path(f"/proc/{pid}").exists()]
+    assert any(e.get("WANDB_API_KEY") == HEAD_SECRETS["WANDB_API_KEY"] for e in trainer_envs)
     assert proxy_url.startswith(f"http://{cluster.addresses['head']}:"), proxy_url
     # From another node: every proxy route but /health and /metrics demands the run's token, generation too.
     guarded = [("POST", "/pause"), ("POST", "/resume"), ("POST", "/v1/load_lora_adapter"),
@@ -301,15 +329,21 @@ def test_ray_job_submit_across_four_nodes(cluster, hub_env, tmp_path):
 
     assert summary["served_vs_trained_gap"] is not None and summary["served_vs_trained_gap"] <= 1e-3
 
-    # The replica keys never reach a log, the resolved config or the summary.
+    # The replica keys and the driver's secrets never reach a log, the resolved config or the summary.
     # Every node's Ray directory: its logs, and the job's working directory with the vLLM logs.
+    secrets = [*keys, *HEAD_SECRETS.values()]
     written = [*run_dir.glob("*.json*"), *(p for node in NODES for p in cluster.ray_dir(node).rglob("*"))]
     assert any(p.name.startswith("vllm-g") for p in written)  # the scan reaches the replicas' own logs
     for path in written:
         if path.is_file():
             text = path.read_text(errors="replace")
-            assert not any(key in text for key in keys), f"a replica key leaked into {path}"
-    assert all(key not in logs for key in keys)
+            assert not any(secret in text for secret in secrets), f"a secret leaked into {path}"
+    assert all(secret not in logs for secret in secrets)
+    # Nor any view Ray gives of the job: the job API and the state API (actors, tasks, placement groups).
+    views = ray_views(cluster)
+    assert "TRL_EXPERIMENTAL_SILENCE" in views["actors"]  # the views do show a runtime_env's env_vars
+    for view, text in views.items():
+        assert not any(secret in text for secret in secrets), f"a secret is shown by Ray's {view}"
 
     # No vLLM process outlives the run, on any node.
     deadline = time.monotonic() + 45

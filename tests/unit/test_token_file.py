@@ -74,3 +74,20 @@ def test_serve_generates_a_token_unless_the_proxy_binds_loopback():
     config = RunConfig(run_name="t", proxy={"host": "0.0.0.0"})
     secrets = RunSecrets.for_run(config, generate_token=not proxy_binds_loopback(config, True))
     assert secrets.proxy_token and len(secrets.proxy_token) >= 32
+
+
+def test_the_drivers_secrets_go_to_the_actors_and_not_into_the_runtime_env(monkeypatch):
+    """A runtime_env's env_vars are shown by the Ray dashboard and the state API: HF_TOKEN and
+    WANDB_API_KEY travel in RunSecrets (constructor arguments) instead; the rest of the HF setup stays."""
+    from rl_cluster.cluster import RunSecrets, runtime_env
+    from rl_cluster.config import RunConfig
+
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+    monkeypatch.setenv("WANDB_API_KEY", "wandb_secret_value")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    env_vars = runtime_env()["env_vars"]
+    assert env_vars["HF_HUB_OFFLINE"] == "1"
+    assert "HF_TOKEN" not in env_vars and "WANDB_API_KEY" not in env_vars
+    secrets = RunSecrets.for_run(RunConfig(run_name="t"))
+    assert secrets.environment == {"HF_TOKEN": "hf_secret_value", "WANDB_API_KEY": "wandb_secret_value"}
+    assert "secret_value" not in repr(secrets)
