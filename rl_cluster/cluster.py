@@ -27,6 +27,7 @@ import ipaddress
 import json
 import os
 import secrets
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -117,6 +118,10 @@ def connect(config: RunConfig) -> bool:
     then, and only then, servers may bind loopback."""
     if ray.is_initialized():
         return False
+    if (
+        not sys.stdout.isatty()
+    ):  # `ray job logs`, a file, a pipe: the actors' log prefixes without ANSI colours
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     env = runtime_env()
     address = config.cluster.address or os.environ.get("RAY_ADDRESS")
     if address and address != "local":

@@ -82,6 +82,9 @@ unpatched code fails on a CPU machine) and that the replacement is correct.
    posts (`_post`, in the spawned child). The proxy demands the run's token on every route but /health and
    /metrics. `AdapterSyncTrainer(proxy_token=...)` replaces the client as TRL assigns it with an
    `AuthorizedVLLMClient`, and `GroupPinnedRolloutLoop(auth_token=...)` posts with the header.
+20. AsyncGRPOTrainer adds two `StepIntervalCallback`s (the sync and the step metrics), by design, and
+   transformers warns on the second that "there is already one", with the whole callback list: 8 lines
+   of every run's console. `AdapterSyncTrainer.add_callback` adds TRL's interval callbacks without it.
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ import aiohttp
 import requests
 import torch
 import torch.nn.functional as F
-from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer
+from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer, StepIntervalCallback
 from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
@@ -472,6 +475,12 @@ class AdapterSyncTrainer(AsyncGRPOTrainer):
     def __init__(self, *args, proxy_token: str | None = None, **kwargs):
         self.proxy_token = proxy_token  # before TRL's __init__, which makes the client and probes with it
         super().__init__(*args, **kwargs)
+
+    def add_callback(self, callback) -> None:
+        if isinstance(callback, StepIntervalCallback):  # item 20: TRL's own, meant to be several
+            self.callback_handler.callbacks.append(callback)
+        else:
+            super().add_callback(callback)
 
     @property
     def vllm_client(self) -> VLLMClient | None:

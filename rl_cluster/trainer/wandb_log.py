@@ -69,13 +69,17 @@ class WandbLog:
                 resume="allow",
                 reinit="create_new",
                 config=config.model_dump(mode="json"),  # SecretStr fields dump as "**********"
-                settings=wandb.Settings(console="off", stop_fn=self._ignore_stop),
+                # silent: wandb's own ~40 console lines (banner, integrations, run history) are noise beside
+                # the step lines; the run's place is printed once, below or by the trainer at the end.
+                settings=wandb.Settings(console="off", silent=True, stop_fn=self._ignore_stop),
             )
         except Exception as e:
             raise RuntimeError(
                 f'wandb.init failed (logging.wandb = "{settings.wandb}"): {str(e).rstrip(".")}. Set logging.wandb = "off" or '
                 "\"offline\", or set WANDB_API_KEY in the driver's or the trainer node's environment to log online."
             ) from e
+        if settings.wandb == "online":
+            print(f"wandb run: {self.run.url}", flush=True)
 
     @staticmethod
     def _ignore_stop() -> None:

@@ -253,6 +253,10 @@ def test_ray_job_submit_across_four_nodes(cluster, hub_env, tmp_path):
     assert status == "SUCCEEDED", logs[-6000:]
     print(f"\nray job submit -> first training step: {to_first_step:.0f} s")
     assert "step   60/60" in logs and "reward, last fifth" in logs
+    # A quiet console: progress lines and the summary, without wandb's, transformers' or vLLM's chatter
+    # or ANSI colour codes (a file is no terminal).
+    noise = [n for n in ("\x1b[", "wandb: ", "there is already one", "Triton is installed") if n in logs]
+    assert not noise, (noise, logs[:6000])
 
     run_dir = bucket / run
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -619,3 +619,33 @@ async def test_trls_clients_send_no_token_and_the_authorized_ones_do(tiny_model_
                 assert answer.value.status == status
     finally:
         await proxy.stop()
+
+
+@cpu_only
+def test_trl_adds_two_interval_callbacks_and_transformers_warns_unless_added_quietly(tiny_model_dir):
+    """Item 20: TRL's trainer alone makes transformers warn of a second StepIntervalCallback (with the
+    whole callback list); AdapterSyncTrainer adds the same two callbacks without a word."""
+    import logging
+
+    from trl.experimental.async_grpo.async_grpo_trainer import StepIntervalCallback
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("transformers.trainer_callback")
+    logger.addHandler(handler)
+    compat.apply_trainer_workarounds()
+    kwargs = dict(model=str(tiny_model_dir), reward_funcs=[arithmetic_reward],
+                  train_dataset=Dataset.from_list(make_prompts(16, seed=0)),
+                  peft_config=LoraConfig(r=1, lora_alpha=2, target_modules="all-linear", task_type="CAUSAL_LM"))  # fmt: skip
+    try:
+        build_trainer(tiny_model_dir, grpo_args(**compat.training_precision_kwargs()))
+        warned = [r.getMessage() for r in records if "StepIntervalCallback" in r.getMessage()]
+        assert warned and "there is already one" in warned[0]
+        records.clear()
+        ours = _SyncProbe(args=grpo_args(**compat.training_precision_kwargs()), **kwargs)
+        assert not [r for r in records if "already one" in r.getMessage()]
+    finally:
+        logger.removeHandler(handler)
+    intervals = [c for c in ours.callback_handler.callbacks if isinstance(c, StepIntervalCallback)]
+    assert len(intervals) == 2  # both still run: the sync and the step metrics
