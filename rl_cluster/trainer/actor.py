@@ -33,9 +33,6 @@ class Trainer:
         """`proxy_token`: for the proxy; `replica_key`: for the served-vs-trained check, which samples
         from each replica directly; `environment`: the driver's secrets (HF_TOKEN, WANDB_API_KEY)."""
         os.environ.update(environment or {})
-        # TRL imports vLLM here (and in its rollout child) only for a version check and the client: its
-        # start-up warnings (Triton without a CPU backend) are noise in the run's console. Before the import.
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         self.config = config
         self.proxy_url = proxy_url
         configured = config.proxy.auth_token

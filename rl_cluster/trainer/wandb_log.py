@@ -14,6 +14,7 @@ the process's main thread (wandb's default), which in a Ray worker is Ray's own 
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 from rl_cluster.config import RunConfig
@@ -54,6 +55,9 @@ class WandbLog:
         settings = config.logging
         if settings.wandb == "off":
             return
+        # Before the import: wandb's console lines (banner, integration hints, run history) are noise beside
+        # the step lines; the run's place is printed once, below or by the trainer at the end.
+        os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 
         root = Path(settings.wandb_dir or default_dir or ".").resolve()
@@ -69,8 +73,6 @@ class WandbLog:
                 resume="allow",
                 reinit="create_new",
                 config=config.model_dump(mode="json"),  # SecretStr fields dump as "**********"
-                # silent: wandb's own ~40 console lines (banner, integrations, run history) are noise beside
-                # the step lines; the run's place is printed once, below or by the trainer at the end.
                 settings=wandb.Settings(console="off", silent=True, stop_fn=self._ignore_stop),
             )
         except Exception as e:
