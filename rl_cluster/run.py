@@ -149,9 +149,6 @@ async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
             # A trainer that dies is restarted and its train() call re-run: it resumes from a checkpoint.
             max_restarts=config.trainer.max_restarts,
             max_task_retries=config.trainer.max_restarts,
-            # TRL imports vLLM in the trainer (and its rollout child) only for a version check and the client:
-            # vLLM's start-up warnings there (Triton without a CPU backend) are noise in the run's console.
-            runtime_env={"env_vars": {"VLLM_LOGGING_LEVEL": "ERROR"}},
         ).remote(config, cluster.proxy_url, secrets.proxy_token, secrets.replica_key, secrets.environment)
         cluster.placement["trainer"] = await cluster.trainer.placement.remote()
         for actor, where in cluster.placement.items():
