@@ -15,11 +15,12 @@ Catching up is the same whether a replica is new or returning: read back what it
 lacks, unload what was closed while it was away, match the pause state, activate. Because adapters
 arrive by path from the bucket, it needs nothing from the other replicas.
 
-Adapter changes are broadcasts: a load goes to every active replica, all-or-nothing (rl_cluster.proxy.
-broadcast), and becomes routable only when every one confirmed; an unload closes the name at once and
-each replica unloads it when its last request for it ends. One lock serialises loads, closes and
-catch-ups, so a replica that catches up cannot miss a version published meanwhile. Broadcasts run as
-tasks the pool owns: a client that hangs up mid-broadcast must not leave the replicas half-changed.
+The pool holds the registry and the membership steps (joining, catching up, draining, request counts);
+the rest of a replica's life is in the parts it is composed of, each over the same registry:
+rl_cluster.proxy.health (active <-> unhealthy), rl_cluster.proxy.adapters (adapter loads and closes)
+and rl_cluster.proxy.pausing (pause and resume). One lock serialises loads, closes and catch-ups, so a
+replica that catches up cannot miss a version published meanwhile. Broadcasts run as tasks the pool
+owns: a client that hangs up mid-broadcast must not leave the replicas half-changed.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -36,37 +36,22 @@ import aiohttp
 from rl_cluster.config import ProxyConfig
 from rl_cluster.core.routing import PrefixTable
 from rl_cluster.core.versions import ReplicaState, VersionBook
-from rl_cluster.errors import AdapterNotFound, ReplicaDown
 from rl_cluster.proxy.adapter_loader import AdapterLoader
-from rl_cluster.proxy.broadcast import LoadFailed, load_everywhere, load_with_retry
+from rl_cluster.proxy.adapters import AdapterBroadcasts, AdapterExists, NoActiveReplica
+from rl_cluster.proxy.broadcast import load_with_retry
 from rl_cluster.proxy.forward import ReplicaFailed
+from rl_cluster.proxy.health import HealthWatch
 from rl_cluster.proxy.metrics import LatencyHistogram
 from rl_cluster.proxy.pausing import PauseCoordinator
+from rl_cluster.proxy.replica import INFO_TIMEOUT, Replica, learn_capacity, served_models
+
+# The server and the dispatcher meet the pool's record, errors and admin timeout here, with the pool.
+__all__ = ["INFO_TIMEOUT", "AdapterExists", "NoActiveReplica", "Replica", "ReplicaPool"]
 
 logger = logging.getLogger(__name__)
 
-INFO_TIMEOUT = aiohttp.ClientTimeout(total=30)
 # Replicas that are reachable for broadcasts (pause/resume): every one but those known to be down.
 REACHABLE = (ReplicaState.JOINING, ReplicaState.CATCHING_UP, ReplicaState.ACTIVE, ReplicaState.DRAINING)
-
-
-@dataclass
-class Replica:
-    replica_id: str
-    url: str
-    loader: AdapterLoader
-    requests: int = 0
-    capacity: int | None = None
-    """Concurrent sequences it runs (vLLM max_num_seqs): routing compares loads relative to it. None
-    until known (the replica reported none and its /server_info has not answered yet)."""
-
-
-class AdapterExists(Exception):
-    """A load of a name the proxy already knows: names are never reused for different weights."""
-
-
-class NoActiveReplica(Exception):
-    """Nothing to broadcast to: no replica is active."""
 
 
 class ReplicaPool:
@@ -78,24 +63,28 @@ class ReplicaPool:
         self.latency = latency
         self.book = VersionBook()
         self.table = PrefixTable(config.table_capacity)
+        # Shared with the parts below, which read and change it in place: never rebind it.
         self.replicas: dict[str, Replica] = {}
         self.base_models: list[str] = []  # learnt from the first replica's /v1/models
         self.session: aiohttp.ClientSession | None = None
         self._adapter_lock = asyncio.Lock()
+        self._background: set[asyncio.Task] = set()
+        self._drained = asyncio.Event()
         # Pause/resume reach every replica but those known to be down (catch-up syncs them on return).
         self.pausing = PauseCoordinator(
             config.pause_lease_s,
             lambda: [self.replicas[r] for r in self.book.in_state(*REACHABLE)],
             latency,
         )
-        self._recovering: set[str] = set()
-        self._background: set[asyncio.Task] = set()
-        self._drained = asyncio.Event()
+        self.health = HealthWatch(config, self.replicas, self.book, self.spawn, self._catch_up_again)
+        self.adapters = AdapterBroadcasts(
+            config, latency, self.replicas, self.book, self._adapter_lock, self.spawn, self.health
+        )
 
     def start(self, session: aiohttp.ClientSession) -> None:
         """Use `session` for every admin call to a replica, and start watching their health."""
-        self.session = self.pausing.session = session
-        self.spawn(self._watch_health())
+        self.session = self.pausing.session = self.health.session = session
+        self.spawn(self.health.watch())
 
     async def stop(self) -> None:
         """Resume replicas left paused (a proxy must never leave them frozen), then cancel own tasks."""
@@ -122,14 +111,14 @@ class ReplicaPool:
     ) -> None:
         """Register a healthy replica; it takes traffic once it has loaded every live adapter version.
         `capacity`: what the replica reported (None: learnt from its /server_info in the background)."""
-        base, _ = await self._served_models(url)
+        base, _ = await served_models(self.session, url)
         if self.base_models and base != self.base_models:
             raise ValueError(
                 f"replica {replica_id} at {url} serves {base}, the others serve {self.base_models}"
             )
         replica = Replica(replica_id, url, loader, capacity=capacity)
         if capacity is None:
-            self.spawn(self._learn_capacity(replica))
+            self.spawn(learn_capacity(self.session, replica))
         async with self._adapter_lock:
             if replica_id in self.replicas:
                 # Its generator actor died and Ray restarted it: a new server, maybe on another node.
@@ -148,28 +137,6 @@ class ReplicaPool:
             "replica %s at %s active (%d adapters)", replica_id, url, len(self.book.loaded_on(replica_id))
         )
 
-    async def _learn_capacity(self, replica: Replica) -> None:
-        """Ask vLLM for its max_num_seqs. In the background: vLLM builds /server_info's environment
-        report on first use (~2 s here), and registration must not wait for it; until then the replica
-        counts as the smallest one known."""
-        url = f"{replica.url}/server_info?config_format=json"
-        try:
-            async with self.session.get(url, timeout=INFO_TIMEOUT) as response:
-                response.raise_for_status()
-                info = await response.json()
-            replica.capacity = int(info["vllm_config"]["scheduler_config"]["max_num_seqs"])
-            logger.info("replica %s runs up to %d sequences at once", replica.replica_id, replica.capacity)
-        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as e:
-            logger.warning("capacity of replica %s unknown (%s: %s)", replica.replica_id, type(e).__name__, e)
-
-    async def _served_models(self, url: str) -> tuple[list[str], set[str]]:
-        """The base model ids and the adapter names a replica serves right now (its /v1/models)."""
-        async with self.session.get(f"{url}/v1/models", timeout=INFO_TIMEOUT) as response:
-            response.raise_for_status()
-            models = (await response.json())["data"]
-        base = [m["id"] for m in models if not m.get("parent")]
-        return base, {m["id"] for m in models if m.get("parent")}
-
     async def _catch_up(self, replica: Replica) -> None:
         """Bring a catching-up replica to the proxy's state, then activate it. Runs under _adapter_lock.
 
@@ -178,7 +145,7 @@ class ReplicaPool:
         so a name it serves is the version we published.
         """
         rid = replica.replica_id
-        _, served = await self._served_models(replica.url)
+        _, served = await served_models(self.session, replica.url)
         for name in self.book.loaded_on(rid) - served:
             self.book.mark_unloaded(rid, name)
         for name in served & set(self.book.live_adapters()):
@@ -197,104 +164,41 @@ class ReplicaPool:
                 self.book.mark_loaded(rid, name)
         for name in self.book.loaded_on(rid):
             if self.book.is_closed(name) and not self.book.in_flight(rid, name):
-                self.spawn(self._unload_on(rid, name))  # closed while it was away
+                self.spawn(self.adapters.unload_on(rid, name))  # closed while it was away
         await self.pausing.match(replica)
         self.book.activate(rid)
 
-    # -- health: active -> unhealthy -> catching up -> active -------------------------------------------
-
-    async def _watch_health(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.health_interval_s)
+    async def _catch_up_again(self, replica: Replica) -> None:
+        """An unhealthy replica answers again (the health watch says so): catch it up, or leave it
+        unhealthy for the next round if that fails."""
+        rid = replica.replica_id
+        async with self._adapter_lock:
+            if self.replicas.get(rid) is not replica or self.book.state(rid) is not ReplicaState.UNHEALTHY:
+                return
+            self.book.begin_catch_up(rid)
             try:
-                await self.check_health()
-            except Exception:
-                logger.exception("health check round failed")
+                await self._catch_up(replica)
+            except Exception as e:
+                self.health.mark_unhealthy(rid, f"catch-up failed: {type(e).__name__}: {e}")
+                return
+        logger.info("replica %s recovered: active again", rid)
+
+    # -- health (rl_cluster.proxy.health): the server's and dispatcher's way in -------------------------
 
     async def check_health(self) -> None:
-        """One round: active replicas that fail leave routing; unhealthy ones that answer catch up again."""
-        watched = [self.replicas[r] for r in self.book.in_state(ReplicaState.ACTIVE, ReplicaState.UNHEALTHY)]
-        results = await asyncio.gather(*(self._probe(r) for r in watched))
-        for replica, problem in zip(watched, results, strict=True):
-            rid = replica.replica_id
-            if self.replicas.get(rid) is not replica:
-                continue  # removed (or replaced) meanwhile
-            state = self.book.state(rid)
-            if problem and state is ReplicaState.ACTIVE:
-                self._mark_unhealthy(rid, f"health check failed: {problem}")
-            elif not problem and state is ReplicaState.UNHEALTHY and rid not in self._recovering:
-                self._recovering.add(rid)
-                self.spawn(self._recover(replica))
-
-    async def _probe(self, replica: Replica) -> str | None:
-        """None when GET /health answers 200 within health_timeout_s, else what went wrong."""
-        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
-        try:
-            async with self.session.get(f"{replica.url}/health", timeout=timeout) as response:
-                return None if response.status == 200 else f"HTTP {response.status}"
-        except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
-            return f"{type(e).__name__}: {e}"
-
-    def _mark_unhealthy(self, replica_id: str, reason: str) -> None:
-        if self.book.mark_unhealthy(replica_id):
-            logger.warning("replica %s left routing: %s", replica_id, reason)
+        await self.health.check()
 
     def report_down(self, replica_id: str, reason: str) -> None:
-        if replica_id in self.replicas:
-            self._mark_unhealthy(replica_id, reason)
+        self.health.report_down(replica_id, reason)
 
     async def report_back(self, replica_id: str) -> None:
-        """Catch a restarted replica up now (a restart can be quicker than the health-check interval, and
-        the new server holds none of the adapters the book says it has)."""
-        replica = self.replicas.get(replica_id)
-        if replica is None or replica_id in self._recovering:
-            return  # gone, or a health check already found the new server and is catching it up
-        self._mark_unhealthy(replica_id, "its server was restarted")
-        self._recovering.add(replica_id)
-        await self._recover(replica)
-
-    async def _down(self, replica_id: str, error: BaseException) -> bool:
-        """During a broadcast: is the replica that failed it down? Then it leaves routing (and catches up
-        when it is back) instead of failing the broadcast for the replicas that are fine."""
-        replica = self.replicas.get(replica_id)
-        if replica is None:
-            problem = "removed"
-        elif isinstance(error, ReplicaDown):  # its actor says so; its old server may linger a few seconds
-            problem = "no server"
-        else:
-            problem = await self._probe(replica)
-        if problem and replica is not None:
-            self._mark_unhealthy(replica_id, f"{type(error).__name__}: {error}; health check: {problem}")
-        return problem is not None
+        await self.health.report_back(replica_id)
 
     async def replica_failed(self, failure: ReplicaFailed) -> bool:
-        """After a failed generation: is the replica down? Down ones leave routing at once."""
-        replica = self.replicas.get(failure.replica_id)
-        if replica is None:
-            return True
-        problem = await self._probe(replica)
-        if problem:
-            self._mark_unhealthy(replica.replica_id, f"{failure}; health check: {problem}")
-        return problem is not None
+        return await self.health.replica_failed(failure)
 
-    async def _recover(self, replica: Replica) -> None:
-        rid = replica.replica_id
-        try:
-            async with self._adapter_lock:
-                if (
-                    self.replicas.get(rid) is not replica
-                    or self.book.state(rid) is not ReplicaState.UNHEALTHY
-                ):
-                    return
-                self.book.begin_catch_up(rid)
-                try:
-                    await self._catch_up(replica)
-                except Exception as e:
-                    self._mark_unhealthy(rid, f"catch-up failed: {type(e).__name__}: {e}")
-                    return
-            logger.info("replica %s recovered: active again", rid)
-        finally:
-            self._recovering.discard(rid)
+    async def wait_for_active(self) -> bool:
+        return await self.health.wait_for_active()
 
     # -- leaving: draining -> gone ----------------------------------------------------------------------
 
@@ -346,101 +250,20 @@ class ReplicaPool:
         # A replica removed, or replaced by its restarted actor's new server, took its counts with it.
         current = self.replicas.get(replica.replica_id) is replica
         if current and self.book.end(replica.replica_id, adapter or ""):
-            self.spawn(self._unload_on(replica.replica_id, adapter or ""))
+            self.spawn(self.adapters.unload_on(replica.replica_id, adapter or ""))
         self._drained.set()
 
-    # -- adapter broadcasts -----------------------------------------------------------------------------
+    # -- broadcasts (rl_cluster.proxy.adapters, rl_cluster.proxy.pausing), detached from the caller -----
 
     async def load(self, name: str, path: str) -> list[str]:
         """Load `name` on every active replica, all-or-nothing; it is routable when this returns. Returns
         the replicas it went to. Raises AdapterExists, NoActiveReplica or broadcast.LoadFailed."""
-        return await self._detached(self._load(name, path))
-
-    async def wait_for_active(self) -> bool:
-        """True once a replica is active; False when none was for proxy.unavailable_timeout_s. A replica
-        that is down comes back by itself (its actor restarts it), so requests wait for it rather than
-        fail the run at once."""
-        deadline = time.monotonic() + self.config.unavailable_timeout_s
-        while not self.book.active():
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(0.25)
-        return True
-
-    async def _load(self, name: str, path: str) -> list[str]:
-        deadline = time.monotonic() + self.config.unavailable_timeout_s
-        while True:
-            try:
-                targets = await self._load_once(name, path)
-                break
-            except LoadFailed as e:
-                # Every replica it went to turned out to be down (a one-replica run whose engine just
-                # died): like a request, the sync waits for one to come back, bounded.
-                if not e.all_down or time.monotonic() >= deadline:
-                    raise
-                logger.warning("every replica was down while loading %s: waiting for one to return", name)
-        routable_on = [r for r in targets if name in self.book.loaded_on(r)]
-        logger.info("adapter %s routable on %s", name, routable_on)
-        return routable_on
-
-    async def _load_once(self, name: str, path: str) -> list[str]:
-        """One all-or-nothing load over the replicas active now; returns them (raises as `load`)."""
-        # Outside the lock: a returning replica's catch-up takes it before the replica is active.
-        await self.wait_for_active()
-        async with self._adapter_lock:
-            if self.book.known(name):
-                raise AdapterExists(name)
-            targets = self.book.active()
-            if not targets:
-                raise NoActiveReplica()
-            start = time.monotonic()
-            try:
-                await load_everywhere(
-                    name,
-                    path,
-                    {r: self.replicas[r].loader for r in targets},
-                    retry_s=self.config.load_retry_interval_s,
-                    deadline_s=self.config.load_deadline_s,
-                    # A replica removed meanwhile is not marked.
-                    loaded=lambda r: self.book.mark_loaded(r, name) if r in self.replicas else None,
-                    holders=lambda: self.book.holders(name),
-                    unloaded=lambda r: self.book.mark_unloaded(r, name),
-                    down=self._down,
-                )
-            finally:
-                self.latency.observe("load", time.monotonic() - start)
-            self.book.publish(name, path)
-        return targets
+        return await self._detached(self.adapters.load(name, path))
 
     async def close(self, name: str) -> bool:
         """Close `name` to new requests; each replica unloads it once nothing for it is in flight there.
         False when the name is unknown."""
-        async with self._adapter_lock:
-            if not self.book.known(name):
-                return False
-            if not self.book.is_closed(name):
-                for replica_id in self.book.close(name):
-                    self.spawn(self._unload_on(replica_id, name))
-        return True
-
-    async def _unload_on(self, replica_id: str, name: str) -> None:
-        replica = self.replicas.get(replica_id)
-        if replica is None:
-            return
-        start = time.monotonic()
-        try:
-            await replica.loader.unload_adapter(name)
-        except AdapterNotFound:
-            pass  # already gone: the goal is reached
-        except Exception:
-            # Left marked as loaded (and closed): it still occupies a slot on that replica, and we say so.
-            # An unhealthy replica retries this when it catches up.
-            logger.exception("unloading adapter %s on replica %s failed", name, replica_id)
-            return
-        finally:
-            self.latency.observe("unload", time.monotonic() - start)
-        self.book.mark_unloaded(replica_id, name)
-        logger.info("adapter %s unloaded on replica %s", name, replica_id)
+        return await self.adapters.close(name)
 
     async def pause(self, query: str) -> dict[str, str]:
         """Pause every reachable replica, all-or-nothing; {replica: error} of failures (then all resumed)."""

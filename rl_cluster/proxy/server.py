@@ -3,7 +3,8 @@
 This module is the HTTP layer: it parses and checks requests (rl_cluster.proxy.validation), hands them
 on, and answers in vLLM's shapes. Generations go to rl_cluster.proxy.dispatch (one replica, chosen by
 prefix affinity, retried elsewhere if it fails early); adapter loads and unloads, pause and resume, and
-the replicas' whole life (joining, catching up, health, draining) belong to rl_cluster.proxy.replicas.
+the replicas' whole life (joining, catching up, health, draining) belong to rl_cluster.proxy.replicas
+and the parts it is made of (health, adapters, pausing).
 Its clients are TRL's AsyncGRPOTrainer (VLLMClient + the rollout worker) and any OpenAI client.
 
 Two separate HTTP client sessions to the replicas: generations (the data session) can be many and

@@ -1,0 +1,134 @@
+"""Adapter versions across the pool: publish one on every active replica, close one, unload it when idle.
+
+A load goes to every active replica, all-or-nothing (rl_cluster.proxy.broadcast does the calls), and
+the name becomes routable only when every one confirmed; a replica that turns out to be down meanwhile
+leaves routing instead of failing the load, and catches up when it is back. An unload closes the name at
+once and each replica unloads it when its last request for it ends. The pool's adapter lock serialises
+loads, closes and catch-ups, so a replica that catches up cannot miss a version published meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+
+from rl_cluster.config import ProxyConfig
+from rl_cluster.core.versions import VersionBook
+from rl_cluster.errors import AdapterNotFound
+from rl_cluster.proxy.broadcast import LoadFailed, load_everywhere
+from rl_cluster.proxy.health import HealthWatch
+from rl_cluster.proxy.metrics import LatencyHistogram
+from rl_cluster.proxy.replica import Replica
+
+logger = logging.getLogger(__name__)
+
+
+class AdapterExists(Exception):
+    """A load of a name the proxy already knows: names are never reused for different weights."""
+
+
+class NoActiveReplica(Exception):
+    """Nothing to broadcast to: no replica is active."""
+
+
+class AdapterBroadcasts:
+    """Loads and closes over the pool's `replicas` and `book` (shared, not copied), under its `lock`;
+    `health` judges the replicas a load failed on and waits for an active one."""
+
+    def __init__(
+        self,
+        config: ProxyConfig,
+        latency: LatencyHistogram,
+        replicas: dict[str, Replica],
+        book: VersionBook,
+        lock: asyncio.Lock,
+        spawn: Callable[[Coroutine], asyncio.Task],
+        health: HealthWatch,
+    ):
+        self.config = config
+        self.latency = latency
+        self.replicas = replicas
+        self.book = book
+        self.lock = lock
+        self.spawn = spawn
+        self.health = health
+
+    async def load(self, name: str, path: str) -> list[str]:
+        """Load `name` on every active replica, all-or-nothing; it is routable when this returns. Returns
+        the replicas it went to. Raises AdapterExists, NoActiveReplica or broadcast.LoadFailed."""
+        deadline = time.monotonic() + self.config.unavailable_timeout_s
+        while True:
+            try:
+                targets = await self._load_once(name, path)
+                break
+            except LoadFailed as e:
+                # Every replica it went to turned out to be down (a one-replica run whose engine just
+                # died): like a request, the sync waits for one to come back, bounded.
+                if not e.all_down or time.monotonic() >= deadline:
+                    raise
+                logger.warning("every replica was down while loading %s: waiting for one to return", name)
+        routable_on = [r for r in targets if name in self.book.loaded_on(r)]
+        logger.info("adapter %s routable on %s", name, routable_on)
+        return routable_on
+
+    async def _load_once(self, name: str, path: str) -> list[str]:
+        """One all-or-nothing load over the replicas active now; returns them (raises as `load`)."""
+        # Outside the lock: a returning replica's catch-up takes it before the replica is active.
+        await self.health.wait_for_active()
+        async with self.lock:
+            if self.book.known(name):
+                raise AdapterExists(name)
+            targets = self.book.active()
+            if not targets:
+                raise NoActiveReplica()
+            start = time.monotonic()
+            try:
+                await load_everywhere(
+                    name,
+                    path,
+                    {r: self.replicas[r].loader for r in targets},
+                    retry_s=self.config.load_retry_interval_s,
+                    deadline_s=self.config.load_deadline_s,
+                    # A replica removed meanwhile is not marked.
+                    loaded=lambda r: self.book.mark_loaded(r, name) if r in self.replicas else None,
+                    holders=lambda: self.book.holders(name),
+                    unloaded=lambda r: self.book.mark_unloaded(r, name),
+                    down=self.health.is_down,
+                )
+            finally:
+                self.latency.observe("load", time.monotonic() - start)
+            self.book.publish(name, path)
+        return targets
+
+    async def close(self, name: str) -> bool:
+        """Close `name` to new requests; each replica unloads it once nothing for it is in flight there.
+        False when the name is unknown."""
+        async with self.lock:
+            if not self.book.known(name):
+                return False
+            if not self.book.is_closed(name):
+                for replica_id in self.book.close(name):
+                    self.spawn(self.unload_on(replica_id, name))
+        return True
+
+    async def unload_on(self, replica_id: str, name: str) -> None:
+        """Unload a closed `name` on one replica (its last request for it has ended)."""
+        replica = self.replicas.get(replica_id)
+        if replica is None:
+            return
+        start = time.monotonic()
+        try:
+            await replica.loader.unload_adapter(name)
+        except AdapterNotFound:
+            pass  # already gone: the goal is reached
+        except Exception:
+            # Left marked as loaded (and closed): it still occupies a slot on that replica, and we say so.
+            # An unhealthy replica retries this when it catches up.
+            logger.exception("unloading adapter %s on replica %s failed", name, replica_id)
+            return
+        finally:
+            self.latency.observe("unload", time.monotonic() - start)
+        self.book.mark_unloaded(replica_id, name)
+        logger.info("adapter %s unloaded on replica %s", name, replica_id)

@@ -1,0 +1,133 @@
+"""Replica health: active -> unhealthy when it stops answering, unhealthy -> catching up when it answers.
+
+A replica leaves routing (and broadcasts) the moment the proxy has reason to think it is down: a failed
+health check, a failed request or broadcast whose probe then fails, or its actor saying so. Nothing here
+forgets a replica: a down one comes back by itself (its actor restarts it), so the watch keeps probing
+it, and the pool catches it up when it answers (rl_cluster.proxy.replicas, under the adapter lock). For
+the same reason requests and loads that find no active replica wait for one, bounded, rather than fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+
+import aiohttp
+
+from rl_cluster.config import ProxyConfig
+from rl_cluster.core.versions import ReplicaState, VersionBook
+from rl_cluster.errors import ReplicaDown
+from rl_cluster.proxy.forward import ReplicaFailed
+from rl_cluster.proxy.replica import Replica, probe
+
+logger = logging.getLogger(__name__)
+
+
+class HealthWatch:
+    """Watches the pool's `replicas` (the pool's own dict and book, shared, not copied) and moves them
+    between active and unhealthy; `catch_up_again` brings an unhealthy one that answers back to active."""
+
+    def __init__(
+        self,
+        config: ProxyConfig,
+        replicas: dict[str, Replica],
+        book: VersionBook,
+        spawn: Callable[[Coroutine], asyncio.Task],
+        catch_up_again: Callable[[Replica], Awaitable[None]],
+    ):
+        self.config = config
+        self.replicas = replicas
+        self.book = book
+        self.spawn = spawn
+        self.catch_up_again = catch_up_again
+        self.session: aiohttp.ClientSession | None = None
+        # Replicas a catch-up is under way for: a health round and report_back must not start a second.
+        self._recovering: set[str] = set()
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            try:
+                await self.check()
+            except Exception:
+                logger.exception("health check round failed")
+
+    async def check(self) -> None:
+        """One round: active replicas that fail leave routing; unhealthy ones that answer catch up again."""
+        watched = [self.replicas[r] for r in self.book.in_state(ReplicaState.ACTIVE, ReplicaState.UNHEALTHY)]
+        results = await asyncio.gather(*(self.probe(r) for r in watched))
+        for replica, problem in zip(watched, results, strict=True):
+            rid = replica.replica_id
+            if self.replicas.get(rid) is not replica:
+                continue  # removed (or replaced) meanwhile
+            state = self.book.state(rid)
+            if problem and state is ReplicaState.ACTIVE:
+                self.mark_unhealthy(rid, f"health check failed: {problem}")
+            elif not problem and state is ReplicaState.UNHEALTHY and rid not in self._recovering:
+                self._recovering.add(rid)
+                self.spawn(self._recover(replica))
+
+    async def probe(self, replica: Replica) -> str | None:
+        """None when the replica's /health answers 200 within health_timeout_s, else what went wrong."""
+        return await probe(self.session, replica.url, self.config.health_timeout_s)
+
+    def mark_unhealthy(self, replica_id: str, reason: str) -> None:
+        if self.book.mark_unhealthy(replica_id):
+            logger.warning("replica %s left routing: %s", replica_id, reason)
+
+    def report_down(self, replica_id: str, reason: str) -> None:
+        if replica_id in self.replicas:
+            self.mark_unhealthy(replica_id, reason)
+
+    async def report_back(self, replica_id: str) -> None:
+        """Catch a restarted replica up now (a restart can be quicker than the health-check interval, and
+        the new server holds none of the adapters the book says it has)."""
+        replica = self.replicas.get(replica_id)
+        if replica is None or replica_id in self._recovering:
+            return  # gone, or a health check already found the new server and is catching it up
+        self.mark_unhealthy(replica_id, "its server was restarted")
+        self._recovering.add(replica_id)
+        await self._recover(replica)
+
+    async def is_down(self, replica_id: str, error: BaseException) -> bool:
+        """During a broadcast: is the replica that failed it down? Then it leaves routing (and catches up
+        when it is back) instead of failing the broadcast for the replicas that are fine."""
+        replica = self.replicas.get(replica_id)
+        if replica is None:
+            problem = "removed"
+        elif isinstance(error, ReplicaDown):  # its actor says so; its old server may linger a few seconds
+            problem = "no server"
+        else:
+            problem = await self.probe(replica)
+        if problem and replica is not None:
+            self.mark_unhealthy(replica_id, f"{type(error).__name__}: {error}; health check: {problem}")
+        return problem is not None
+
+    async def replica_failed(self, failure: ReplicaFailed) -> bool:
+        """After a failed generation: is the replica down? Down ones leave routing at once."""
+        replica = self.replicas.get(failure.replica_id)
+        if replica is None:
+            return True
+        problem = await self.probe(replica)
+        if problem:
+            self.mark_unhealthy(replica.replica_id, f"{failure}; health check: {problem}")
+        return problem is not None
+
+    async def wait_for_active(self) -> bool:
+        """True once a replica is active; False when none was for proxy.unavailable_timeout_s. A replica
+        that is down comes back by itself (its actor restarts it), so requests wait for it rather than
+        fail the run at once."""
+        deadline = time.monotonic() + self.config.unavailable_timeout_s
+        while not self.book.active():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.25)
+        return True
+
+    async def _recover(self, replica: Replica) -> None:
+        try:
+            await self.catch_up_again(replica)
+        finally:
+            self._recovering.discard(replica.replica_id)

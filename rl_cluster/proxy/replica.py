@@ -1,0 +1,64 @@
+"""One replica as the proxy sees it: its record, and what the proxy asks it about itself.
+
+The pool (rl_cluster.proxy.replicas) keeps these records. What a replica serves (/v1/models), how many
+sequences it runs at once (/server_info) and whether it is up (/health) are asked the same way by
+registration, catch-up and the health watch, so the asking lives here, below all three.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import aiohttp
+
+from rl_cluster.proxy.adapter_loader import AdapterLoader
+
+logger = logging.getLogger(__name__)
+
+INFO_TIMEOUT = aiohttp.ClientTimeout(total=30)
+
+
+@dataclass
+class Replica:
+    replica_id: str
+    url: str
+    loader: AdapterLoader
+    requests: int = 0
+    capacity: int | None = None
+    """Concurrent sequences it runs (vLLM max_num_seqs): routing compares loads relative to it. None
+    until known (the replica reported none and its /server_info has not answered yet)."""
+
+
+async def served_models(session: aiohttp.ClientSession, url: str) -> tuple[list[str], set[str]]:
+    """The base model ids and the adapter names a replica serves right now (its /v1/models)."""
+    async with session.get(f"{url}/v1/models", timeout=INFO_TIMEOUT) as response:
+        response.raise_for_status()
+        models = (await response.json())["data"]
+    base = [m["id"] for m in models if not m.get("parent")]
+    return base, {m["id"] for m in models if m.get("parent")}
+
+
+async def learn_capacity(session: aiohttp.ClientSession, replica: Replica) -> None:
+    """Ask vLLM for its max_num_seqs. Meant for the background: vLLM builds /server_info's environment
+    report on first use (~2 s here), and registration must not wait for it; until then the replica
+    counts as the smallest one known."""
+    url = f"{replica.url}/server_info?config_format=json"
+    try:
+        async with session.get(url, timeout=INFO_TIMEOUT) as response:
+            response.raise_for_status()
+            info = await response.json()
+        replica.capacity = int(info["vllm_config"]["scheduler_config"]["max_num_seqs"])
+        logger.info("replica %s runs up to %d sequences at once", replica.replica_id, replica.capacity)
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as e:
+        logger.warning("capacity of replica %s unknown (%s: %s)", replica.replica_id, type(e).__name__, e)
+
+
+async def probe(session: aiohttp.ClientSession, url: str, timeout_s: float) -> str | None:
+    """None when GET /health answers 200 within `timeout_s`, else what went wrong."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    try:
+        async with session.get(f"{url}/health", timeout=timeout) as response:
+            return None if response.status == 200 else f"HTTP {response.status}"
+    except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
+        return f"{type(e).__name__}: {e}"
