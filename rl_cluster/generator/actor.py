@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rl_cluster.bucket import Bucket, apply_cache_retention
 from rl_cluster.config import RunConfig
+from rl_cluster.core.auth import bearer_headers
 from rl_cluster.core.manifest import split_adapter_dir_name
 from rl_cluster.core.restarts import RestartBudget
 from rl_cluster.core.telemetry import GENERATOR_METRICS, vllm_gauges
@@ -135,9 +136,7 @@ class Generator:
         self.server.start()
         await self.server.wait_healthy(g.startup_timeout_s)
         # The replica demands the run's key on every route; this actor's calls carry it.
-        self._session = aiohttp.ClientSession(
-            headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        )
+        self._session = aiohttp.ClientSession(headers=bearer_headers(self.api_key))
         self.vllm = HttpAdapterLoader(self.server.url, self._session)
         if proxy is not None:
             me = ray.get_runtime_context().current_actor

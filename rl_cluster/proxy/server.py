@@ -25,6 +25,7 @@ import aiohttp
 from aiohttp import web
 
 from rl_cluster.config import ProxyConfig
+from rl_cluster.core.auth import bearer_headers
 from rl_cluster.proxy.adapter_loader import ADMIN_TIMEOUT, AdapterLoader, HttpAdapterLoader
 from rl_cluster.proxy.answers import error_response, no_active_replica, reply
 from rl_cluster.proxy.broadcast import LoadFailed
@@ -82,7 +83,7 @@ class ProxyServer:
         self.config = config
         self.adapter_root = adapter_root
         self.max_model_len = max_model_len
-        self._replica_headers = {"Authorization": f"Bearer {replica_key}"} if replica_key else {}
+        self._replica_headers = bearer_headers(replica_key)
         self.metrics = ProxyMetrics(self.stats)
         self.broadcast_latency = self.metrics.broadcast_latency
         self._pool = ReplicaPool(config, self.broadcast_latency)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import requests
 import torch
 
+from rl_cluster.core.auth import bearer_headers
+
 
 def sample_from_replica(url: str, adapter: str, prompt_ids: list[int], n: int, max_tokens: int,
                         api_key: str | None = None) -> list[dict]:  # fmt: skip
@@ -19,7 +21,7 @@ def sample_from_replica(url: str, adapter: str, prompt_ids: list[int], n: int, m
     vLLM's processed logprobs are the plain log-softmax. `api_key`: the run's replica key."""
     response = requests.post(
         f"{url}/v1/completions",
-        headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
+        headers=bearer_headers(api_key),
         json={
             "model": adapter,
             "prompt": prompt_ids,

@@ -108,6 +108,7 @@ from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
 from rl_cluster.core.admission import AdmissionWindow, admits
+from rl_cluster.core.auth import bearer_headers
 
 
 def varlen_attention(
@@ -272,7 +273,7 @@ class GroupPinnedRolloutLoop(_AsyncRolloutLoop):
         super().__init__(*args, **kwargs)
         self.pinned_window = pinned_window
         self.position = position
-        self.auth_headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
+        self.auth_headers = bearer_headers(auth_token)
         self._group_versions: dict[int, int] = {}  # group id -> version, from admission until scored
         self._admitted_samples = 0
         self._admission_lock: asyncio.Lock | None = None
@@ -450,7 +451,7 @@ class AuthorizedVLLMClient(VLLMClient):
 
     def __init__(self, server_url: str, server_timeout: float = 240.0, auth_token: str | None = None):
         super().__init__(server_url, server_timeout)
-        self.headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
+        self.headers = bearer_headers(auth_token)
 
     def _get(self, route: str, **params) -> dict:
         response = requests.get(f"{self.server_url}{route}", params=params, headers=self.headers, timeout=60)

@@ -24,6 +24,7 @@ import requests
 from transformers import TrainerCallback
 
 from rl_cluster.config import RunConfig
+from rl_cluster.core.auth import bearer_headers
 from rl_cluster.core.evaluation import aggregate, eval_indices
 
 REQUEST_TIMEOUT_S = 600.0
@@ -46,9 +47,9 @@ class Evaluator:
     def __init__(self, config: RunConfig, proxy_url: str, tokenizer, reward_func: Callable, rows: list[dict],
                  chat_template_kwargs: dict | None = None, auth_token: str | None = None):  # fmt: skip
         """`rows`: the prepared eval split's rows (a `prompt` message list and the grader's columns);
-        `auth_token`: the proxy's token (it demands one on generation off loopback)."""
+        `auth_token`: the proxy's token (it demands the token on generation whenever it holds one)."""
         self.url = proxy_url.rstrip("/") + "/v1/completions"
-        self.headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
+        self.headers = bearer_headers(auth_token)
         self.eval = config.eval
         self.max_tokens = config.trainer.max_new_tokens
         self.seed = config.trainer.seed

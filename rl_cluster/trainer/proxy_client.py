@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import requests
 
+from rl_cluster.core.auth import bearer_headers
+
 
 class ProxyControlError(RuntimeError):
     pass
@@ -18,7 +20,7 @@ class ProxyClient:
     def __init__(self, url: str, auth_token: str | None = None, timeout_s: float = 600.0):
         self.url = url.rstrip("/")
         self.auth_token = auth_token  # also what the rollout loop and the eval send (compat item 19)
-        self.headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
+        self.headers = bearer_headers(auth_token)
         self.timeout_s = timeout_s
 
     def _post(self, route: str, payload: dict) -> None:
