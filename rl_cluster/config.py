@@ -257,7 +257,14 @@ class ProxyConfig(Section):
     load_retry_interval_s: float = Field(2.0, gt=0)
     """Seconds between retries of an adapter load a replica could not find yet (a lagging mount)."""
     load_deadline_s: float = Field(60.0, gt=0)
-    """Seconds an adapter load may keep retrying "not found" before it fails."""
+    """Seconds one replica may take over an adapter load (retries of "not found" included), an unload, a
+    pause or a resume. One that gives no answer in time is treated as down: out of routing and left out
+    of the sync, which goes on with the others; it catches up when it answers its health check again.
+    A load still "not found" at the deadline fails (404)."""
+    read_timeout_s: float | None = Field(None, gt=0)
+    """Seconds a generation may go without a byte from its replica before the replica counts as hung
+    (out of routing, the request retried elsewhere when nothing was sent yet). None: pause_lease_s plus
+    one second per token of model.max_model_len, the longest completion the replicas can produce."""
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
     """Largest request body accepted."""
     max_n: int = Field(128, ge=1)

@@ -29,6 +29,11 @@ class ReplicaDown(AdapterError):
     its server again yet. A broadcast leaves it out (it catches up when it is back)."""
 
 
+class ReplicaTimeout(ReplicaDown):
+    """The replica did not answer within its deadline (proxy.load_deadline_s): hung (a stopped process, a
+    stalled mount, a wedged engine) or cut off. Treated as down: out of routing until it answers again."""
+
+
 class BucketUnavailable(Exception):
     """The bucket could not be reached after bounded retries."""
 

@@ -16,8 +16,8 @@ from collections.abc import Callable, Coroutine
 
 from rl_cluster.config import ProxyConfig
 from rl_cluster.core.versions import VersionBook
-from rl_cluster.errors import AdapterNotFound
-from rl_cluster.proxy.broadcast import LoadFailed, load_everywhere
+from rl_cluster.errors import AdapterNotFound, ReplicaTimeout
+from rl_cluster.proxy.broadcast import LoadFailed, load_everywhere, unload_within
 from rl_cluster.proxy.health import HealthWatch
 from rl_cluster.proxy.metrics import LatencyHistogram
 from rl_cluster.proxy.replica import Replica
@@ -120,9 +120,13 @@ class AdapterBroadcasts:
             return
         start = time.monotonic()
         try:
-            await replica.loader.unload_adapter(name)
+            await unload_within(replica.loader, name, self.config.load_deadline_s)
         except AdapterNotFound:
             pass  # already gone: the goal is reached
+        except ReplicaTimeout as e:
+            # Hung: out of routing; its catch-up reads back what it serves and unloads what is closed.
+            self.health.mark_unhealthy(replica_id, str(e))
+            return
         except Exception:
             # Left marked as loaded (and closed): it still occupies a slot on that replica, and we say so.
             # An unhealthy replica retries this when it catches up.

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from rl_cluster.errors import AdapterNotFound, AdapterRejected, ReplicaServerError
+from rl_cluster.errors import AdapterNotFound, AdapterRejected, ReplicaServerError, ReplicaTimeout
 from rl_cluster.proxy.adapter_loader import AdapterLoader
 
 logger = logging.getLogger(__name__)
@@ -52,15 +52,29 @@ async def load_with_retry(
     deadline_s: float,
     give_up: asyncio.Event,
 ) -> None:
-    """Load on one replica, retrying "not found" every `retry_s` until `deadline_s`, or until `give_up` is
-    set (a real failure elsewhere: no point waiting). Any other error fails at once."""
+    """Load on one replica within `deadline_s`, retrying "not found" every `retry_s` until then, or until
+    `give_up` is set (a real failure elsewhere: no point waiting). Any other error fails at once.
+
+    Each attempt is bounded by what is left of the deadline: a replica that does not answer in time
+    (stopped, cut off, a stalled mount under its actor) raises ReplicaTimeout, which the broadcast treats
+    as down, so one hung replica holds a sync (and the adapter lock) for at most `deadline_s`. One that
+    answered "not found" before it stopped answering raises that: the adapter is what is missing.
+    """
     deadline = time.monotonic() + deadline_s
+    not_found: AdapterNotFound | None = None
     while True:
         try:
-            await loader.load_adapter(name, path)
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+                await loader.load_adapter(name, path)
             return
         except AdapterNotFound as e:
             not_found = e
+        except TimeoutError:
+            if not_found is not None:
+                raise not_found from None
+            raise ReplicaTimeout(
+                f"no answer to loading {name!r} within load_deadline_s={deadline_s:g}"
+            ) from None
         remaining = deadline - time.monotonic()
         if give_up.is_set() or remaining <= 0:
             raise not_found
@@ -69,6 +83,17 @@ async def load_with_retry(
         except TimeoutError:
             continue
         raise not_found
+
+
+async def unload_within(loader: AdapterLoader, name: str, deadline_s: float) -> None:
+    """Unload on one replica; ReplicaTimeout when it does not answer within `deadline_s`."""
+    try:
+        async with asyncio.timeout(deadline_s):
+            await loader.unload_adapter(name)
+    except TimeoutError:
+        raise ReplicaTimeout(
+            f"no answer to unloading {name!r} within load_deadline_s={deadline_s:g}"
+        ) from None
 
 
 async def load_everywhere(
@@ -120,12 +145,20 @@ async def load_everywhere(
     failures = {r: e for r, e in zip(targets, results, strict=True) if isinstance(e, BaseException)}
     if not failures and len(left_out) < len(targets):
         return
-    all_down = not failures
-    failures = failures or left_out
+    rolled_back = await _roll_back(
+        name, {r: loaders[r] for r in holders() if r in loaders}, deadline_s, unloaded
+    )
+    raise LoadFailed(name, failures or left_out, rolled_back, all_down=not failures)
+
+
+async def _roll_back(
+    name: str, holders: dict[str, AdapterLoader], deadline_s: float, unloaded: Callable[[str], None]
+) -> list[str]:
+    """Unload `name` from the replicas that loaded it, each within `deadline_s`; returns those it left."""
     rolled_back = []
-    for replica_id in [r for r in holders() if r in loaders]:
+    for replica_id, loader in holders.items():
         try:
-            await loaders[replica_id].unload_adapter(name)
+            await unload_within(loader, name, deadline_s)
         except AdapterNotFound:
             pass  # not there: rolled back all the same
         except Exception:
@@ -134,4 +167,4 @@ async def load_everywhere(
             continue
         rolled_back.append(replica_id)
         unloaded(replica_id)
-    raise LoadFailed(name, failures, rolled_back, all_down=all_down)
+    return rolled_back

@@ -14,8 +14,22 @@ import json
 import aiohttp
 from aiohttp import web
 
-# Generations have no overall time limit (long completions, paused replicas); a dead host still fails fast.
-DATA_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10)
+# A context the proxy was not told (a proxy in front of servers it knows nothing about): vLLM's common one.
+DEFAULT_CONTEXT_TOKENS = 4096
+# The slowest pace at which a replica still counts as working: seconds per generated token.
+SLOWEST_TOKEN_S = 1.0
+
+
+def data_timeout(pause_lease_s: float, max_model_len: int | None, read_timeout_s: float | None = None):
+    """The data path's timeout: no overall limit (long completions), a dead host fails fast (connect),
+    and a replica that sends nothing for `read_timeout_s` is hung. Unset, that is derived from the
+    config: a paused replica holds requests for up to `pause_lease_s`, and the longest completion the
+    context allows (`max_model_len` tokens) comes at no slower than SLOWEST_TOKEN_S per token."""
+    if read_timeout_s is None:
+        read_timeout_s = pause_lease_s + (max_model_len or DEFAULT_CONTEXT_TOKENS) * SLOWEST_TOKEN_S
+    return aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=read_timeout_s)
+
+
 # Says which replica produced an answer the proxy passed on (answers without it are the proxy's own).
 REPLICA_HEADER = "X-Proxy-Replica"
 # What a replica failure looks like from the data path's side.
@@ -26,10 +40,13 @@ class ReplicaFailed(Exception):
     """The replica failed before the client received anything. `answer` is the replica's own 5xx reply
     (None when it gave none), to pass on when the proxy decides not to retry."""
 
-    def __init__(self, replica_id: str, reason: str, answer: web.Response | None = None):
+    def __init__(
+        self, replica_id: str, reason: str, answer: web.Response | None = None, timed_out: bool = False
+    ):
         super().__init__(f"replica {replica_id}: {reason}")
         self.replica_id = replica_id
         self.answer = answer
+        self.timed_out = timed_out  # it missed the read deadline: hung, treated as down without a probe
 
 
 async def forward(
@@ -48,7 +65,7 @@ async def forward(
     try:
         upstream = await session.post(url + request.path, data=payload, headers=headers)
     except UPSTREAM_ERRORS as e:
-        raise ReplicaFailed(replica_id, f"{type(e).__name__}: {e}") from e
+        raise ReplicaFailed(replica_id, _reason(e), timed_out=isinstance(e, TimeoutError)) from e
     # Leaving this block (normally, on error, or cancelled by a client that hung up) closes an unfinished
     # upstream connection, which makes vLLM abort the request instead of computing it for nobody.
     async with upstream:
@@ -58,7 +75,8 @@ async def forward(
             try:
                 body = await upstream.read()
             except UPSTREAM_ERRORS as e:
-                raise ReplicaFailed(replica_id, f"answer cut short: {type(e).__name__}: {e}") from e
+                reason = f"answer cut short: {_reason(e)}"
+                raise ReplicaFailed(replica_id, reason, timed_out=isinstance(e, TimeoutError)) from e
             answer = web.Response(status=upstream.status, body=body, headers=passed_on)
             if upstream.status >= 500:
                 raise ReplicaFailed(replica_id, f"HTTP {upstream.status}", answer)
@@ -73,9 +91,9 @@ async def forward(
             try:
                 chunk = await upstream.content.readany()
             except UPSTREAM_ERRORS as e:
-                reason = f"stream cut short: {type(e).__name__}: {e}"
+                reason = f"stream cut short: {_reason(e)}"
                 if not response.prepared:
-                    raise ReplicaFailed(replica_id, reason) from e
+                    raise ReplicaFailed(replica_id, reason, timed_out=isinstance(e, TimeoutError)) from e
                 await _end_with_error(response, replica_id, reason)
                 return response, reason
             if not response.prepared:
@@ -85,6 +103,12 @@ async def forward(
             await response.write(chunk)
         await response.write_eof()
         return response, None
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, TimeoutError):
+        return f"no data within the read deadline ({type(error).__name__})"
+    return f"{type(error).__name__}: {error}"
 
 
 async def _end_with_error(response: web.StreamResponse, replica_id: str, reason: str) -> None:

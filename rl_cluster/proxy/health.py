@@ -18,7 +18,7 @@ import aiohttp
 
 from rl_cluster.config import ProxyConfig
 from rl_cluster.core.versions import ReplicaState, VersionBook
-from rl_cluster.errors import ReplicaDown
+from rl_cluster.errors import ReplicaDown, ReplicaTimeout
 from rl_cluster.proxy.forward import ReplicaFailed
 from rl_cluster.proxy.replica import Replica, probe
 
@@ -97,6 +97,8 @@ class HealthWatch:
         replica = self.replicas.get(replica_id)
         if replica is None:
             problem = "removed"
+        elif isinstance(error, ReplicaTimeout):  # hung or cut off: its /health may still answer (a stall)
+            problem = "missed its deadline"
         elif isinstance(error, ReplicaDown):  # its actor says so; its old server may linger a few seconds
             problem = "no server"
         else:
@@ -110,7 +112,9 @@ class HealthWatch:
         replica = self.replicas.get(failure.replica_id)
         if replica is None:
             return True
-        problem = await self.probe(replica)
+        # A replica that sent nothing for the read deadline is hung whatever its /health says (a wedged
+        # engine behind a live API server): out of routing, back when a health round finds it well.
+        problem = "missed the read deadline" if failure.timed_out else await self.probe(replica)
         if problem:
             self.mark_unhealthy(replica.replica_id, f"{failure}; health check: {problem}")
         return problem is not None

@@ -71,12 +71,15 @@ class ReplicaPool:
         self._background: set[asyncio.Task] = set()
         self._drained = asyncio.Event()
         # Pause/resume reach every replica but those known to be down (catch-up syncs them on return).
+        self.health = HealthWatch(config, self.replicas, self.book, self.spawn, self._catch_up_again)
         self.pausing = PauseCoordinator(
             config.pause_lease_s,
             lambda: [self.replicas[r] for r in self.book.in_state(*REACHABLE)],
             latency,
+            deadline_s=config.load_deadline_s,
+            retry_s=config.load_retry_interval_s,
+            down=self.health.report_down,
         )
-        self.health = HealthWatch(config, self.replicas, self.book, self.spawn, self._catch_up_again)
         self.adapters = AdapterBroadcasts(
             config, latency, self.replicas, self.book, self._adapter_lock, self.spawn, self.health
         )

@@ -30,7 +30,7 @@ from rl_cluster.proxy.adapter_loader import ADMIN_TIMEOUT, AdapterLoader, HttpAd
 from rl_cluster.proxy.answers import error_response, no_active_replica, reply
 from rl_cluster.proxy.broadcast import LoadFailed
 from rl_cluster.proxy.dispatch import Dispatcher
-from rl_cluster.proxy.forward import DATA_TIMEOUT
+from rl_cluster.proxy.forward import data_timeout
 from rl_cluster.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from rl_cluster.proxy.replicas import INFO_TIMEOUT, AdapterExists, NoActiveReplica, ReplicaPool
 from rl_cluster.proxy.validation import (
@@ -100,7 +100,9 @@ class ProxyServer:
         # No connection limit on the data path: every in-flight generation holds a connection.
         # Both sessions carry the replicas' key: every route of a replica demands it.
         self._data_session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), timeout=DATA_TIMEOUT, headers=self._replica_headers
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=data_timeout(self.config.pause_lease_s, self.max_model_len, self.config.read_timeout_s),
+            headers=self._replica_headers,
         )
         self._admin_session = aiohttp.ClientSession(timeout=ADMIN_TIMEOUT, headers=self._replica_headers)
         self._dispatch.session = self._data_session

@@ -211,3 +211,86 @@ async def test_killed_replica_request_is_retried_elsewhere(doomed_server, vllm_s
         assert status == 200 and replica == "r0"
         await proxy.remove_replica("doomed")
         assert list(proxy.stats()["replicas"]) == ["r0"]
+
+
+@contextlib.contextmanager
+def stopped(server: VLLMServer):
+    """SIGSTOP the server's whole process tree (a hung host: connections open, nothing answers); SIGCONT
+    on leaving, also when the test fails."""
+    os.killpg(server.process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(server.process.pid, signal.SIGCONT)
+
+
+async def back_to_active(proxy: ProxyServer, replica_id: str) -> None:
+    """Health rounds (the watch is slowed down in these tests) until the replica caught up again."""
+    for _ in range(120):
+        await proxy.check_health()
+        if proxy.stats()["replicas"][replica_id]["state"] == "active":
+            return
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"{replica_id} did not come back: {proxy.stats()['replicas'][replica_id]}")
+
+
+async def test_a_hung_replica_misses_its_deadlines_and_catches_up_when_it_answers(vllm_servers, adapter_dir):  # noqa: F811
+    """A stopped vLLM server accepts connections and answers nothing. Each call to it is bounded: a sync
+    goes on without it (load_deadline_s), a pause and a resume too, and a generation sent to it is
+    retried on the other replica once the read deadline passes; each time it leaves routing, and a
+    health round that finds it answering again catches it up (the versions it missed) before it serves."""
+    hung = vllm_servers[1]
+    timeouts = {"load_deadline_s": 3.0, "health_timeout_s": 2.0, "read_timeout_s": 4.0}
+    # The health watch is all but off: what takes the hung replica out here is each call's deadline.
+    async with proxy_over({"r0": vllm_servers[0].url, "r1": hung.url}, health_interval_s=600, **timeouts) as (
+        proxy,
+        url,
+    ):
+        first, second = unique("before"), unique("while-hung")
+        status, body = await post_json(
+            f"{url}/v1/load_lora_adapter", {"lora_name": first, "lora_path": str(adapter_dir)}
+        )
+        assert status == 200, body
+
+        # A sync while r1 is stopped: loaded on r0 within the deadline, r1 out of routing.
+        with stopped(hung):
+            status, body = await asyncio.wait_for(
+                post_json(
+                    f"{url}/v1/load_lora_adapter", {"lora_name": second, "lora_path": str(adapter_dir)}
+                ),
+                60,
+            )
+            assert status == 200, body
+            assert proxy.stats()["replicas"]["r1"]["state"] == "unhealthy"
+            status, _, replica = await post_routed(
+                f"{url}/v1/completions", {"model": second, "prompt": "1+1", "max_tokens": 2}
+            )
+            assert (status, replica) == (200, "r0")
+        await back_to_active(proxy, "r1")
+        assert second in await replica_models(hung)  # it caught up on what it missed
+        assert proxy.stats()["replicas"]["r1"]["adapters_loaded"] == sorted([first, second])
+
+        # A pause and a resume (the trainer's sync) while r1 is stopped: both answered, r1 left out.
+        with stopped(hung):
+            status, body = await asyncio.wait_for(post_json(f"{url}/pause?mode=keep", {}), 60)
+            assert status == 200, body
+            status, body = await asyncio.wait_for(post_json(f"{url}/resume", {}), 60)
+            assert status == 200, body
+            stats = proxy.stats()
+            assert stats["replicas"]["r1"]["state"] == "unhealthy" and not stats["paused"]
+        await back_to_active(proxy, "r1")
+
+        # Generations while r1 is stopped: the one sent to r1 gets nothing for read_timeout_s, and is
+        # answered by r0; r1 leaves routing.
+        with stopped(hung):
+            requests = [{"model": second, "prompt": f"{i}*{i}=", "max_tokens": 2} for i in range(4)]
+            sent = asyncio.gather(*(post_routed(f"{url}/v1/completions", r) for r in requests))
+            results = await asyncio.wait_for(sent, 60)
+            assert [(status, replica) for status, _, replica in results] == [(200, "r0")] * 4, results
+            stats = proxy.stats()
+            assert stats["retries"] >= 1 and stats["replicas"]["r1"]["state"] == "unhealthy"
+        await back_to_active(proxy, "r1")
+        status, _, _ = await post_routed(
+            f"{url}/v1/completions", {"model": second, "prompt": "2+2", "max_tokens": 2}
+        )
+        assert status == 200

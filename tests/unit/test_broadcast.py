@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from rl_cluster.errors import AdapterError, AdapterRejected, ReplicaServerError
-from rl_cluster.proxy.broadcast import LoadFailed, load_everywhere
+from rl_cluster.errors import (
+    AdapterError,
+    AdapterNotFound,
+    AdapterRejected,
+    ReplicaDown,
+    ReplicaServerError,
+    ReplicaTimeout,
+)
+from rl_cluster.proxy.broadcast import LoadFailed, load_everywhere, load_with_retry
 
 
 class Replica:
@@ -80,3 +89,54 @@ async def test_a_5xx_is_the_replicas_failure_when_it_is_down_and_a_refusal_when_
     broken = {"g0": Replica(), "g1": Replica(ReplicaServerError("HTTP 500: EngineCore encountered an issue"))}
     loaded, asked = await broadcast(broken, dead={"g1"})
     assert loaded == ["g0"] and asked == ["g1"]
+
+
+class Hung(Replica):
+    """A replica that never answers (a stopped process, a stalled mount): each call waits for ever."""
+
+    def __init__(self, not_found_first: int = 0):
+        super().__init__()
+        self.not_found_first = not_found_first
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        if self.not_found_first:
+            self.not_found_first -= 1
+            raise AdapterNotFound("no manifest yet")
+        await asyncio.Event().wait()
+
+
+async def test_a_replica_that_misses_the_deadline_is_down_and_the_sync_goes_on_without_it():
+    replicas = {"g0": Replica(), "g1": Hung()}
+    errors: dict[str, BaseException] = {}
+
+    async def down(replica_id, error):
+        errors[replica_id] = error
+        return isinstance(error, ReplicaDown)
+
+    loaded: list[str] = []
+    await asyncio.wait_for(
+        load_everywhere(
+            "run-v2",
+            "/bucket/run-v2",
+            replicas,
+            retry_s=0.01,
+            deadline_s=0.2,
+            loaded=loaded.append,
+            holders=lambda: list(loaded),
+            unloaded=loaded.remove,
+            down=down,
+        ),  # fmt: skip
+        5,  # without the deadline the load would wait for the hung replica for ever
+    )
+    assert loaded == ["g0"] and replicas["g0"].adapters == {"run-v2"}
+    assert isinstance(errors["g1"], ReplicaTimeout) and "load_deadline_s=0.2" in str(errors["g1"])
+
+
+async def test_a_replica_that_answered_not_found_then_hangs_reports_the_adapter_missing():
+    with pytest.raises(AdapterNotFound):
+        await asyncio.wait_for(
+            load_with_retry(
+                Hung(not_found_first=1), "run-v2", "/p", retry_s=0.01, deadline_s=0.2, give_up=asyncio.Event()
+            ),  # fmt: skip
+            5,
+        )
