@@ -315,6 +315,16 @@ class Cluster:
             rid: n if isinstance(n, int) else None for rid, n in zip(self.generators, counts, strict=True)
         }
 
+    async def prefix_cache_counts(self) -> dict[str, dict]:
+        """Each replica's vLLM prefix-cache counters over the run (rl_cluster.core.telemetry.PrefixCacheCounts);
+        a generator that does not answer is left out."""
+        await self._sync_from_pool()
+        counts = await asyncio.gather(
+            *(asyncio.wait_for(g.prefix_cache_counts.remote(), 10) for g in self.generators.values()),
+            return_exceptions=True,
+        )
+        return {rid: c for rid, c in zip(self.generators, counts, strict=True) if isinstance(c, dict)}
+
     async def shutdown(self) -> None:
         """Generators leave the proxy and stop their vLLM servers, then the proxy stops, then the actors
         are killed. Best effort at each stage: a failure must not leave the rest running."""

@@ -81,6 +81,7 @@ def summarize(
     placement: dict | None = None,
     replica_restarts: dict | None = None,
     scale_events: list[dict] | None = None,
+    prefix_cache: dict[str, dict] | None = None,
 ) -> dict:
     """`status`: finished, stopped (a signal, `ray job stop`) or failed (`error` says why); a run that did
     not finish is summarised with what it did. `placement`: actor -> {address, node_id}."""
@@ -107,6 +108,8 @@ def summarize(
         "mean_staleness": finite_mean([r["staleness"] for r in history]),
         "trainer_idle": trainer_idle(history),
         "routing": proxy_stats.get("routing", {}),
+        # vLLM's own prefix-cache counters per replica (what routing is for): prompt tokens looked up, found.
+        "prefix_cache": engine_prefix_cache(prefix_cache or {}),
         "checkpoints": trainer_result.get("checkpoints", []),
         "placement": placement or {},
         "replica_restarts": replica_restarts or {},
@@ -116,6 +119,13 @@ def summarize(
         # Held-out evals (rl_cluster.core.evaluation.eval_summary): first, last, pass@1 / mean@k per step.
         "eval": eval_summary(trainer_result.get("evals", [])),
     }
+
+
+def engine_prefix_cache(per_replica: dict[str, dict]) -> dict:
+    """{"hit_rate": over every replica (None before any lookup), "replicas": {replica: counts}}."""
+    queries = sum(c["queries"] for c in per_replica.values())
+    hits = sum(c["hits"] for c in per_replica.values())
+    return {"hit_rate": hits / queries if queries else None, "replicas": dict(per_replica)}
 
 
 def exit_status(summary: dict, tolerance: float) -> int:
@@ -137,6 +147,13 @@ def _groups_line(groups: dict) -> str:
         f"{generated} generated, {groups['trained']} trained, {groups['dropped_stale']} dropped stale{share}, "
         f"{groups['failed']} failed"
     )
+
+
+def _prefix_cache_line(cache: dict) -> str:
+    if cache.get("hit_rate") is None:
+        return "-"
+    each = ", ".join(f"{rid} {_fmt(c['hit_rate'], '.1%')}" for rid, c in cache["replicas"].items())
+    return f"{cache['hit_rate']:.1%} of prompt tokens found in vLLM's cache ({each})"
 
 
 def _routing_line(routing: dict) -> str:
@@ -164,6 +181,7 @@ def summary_table(summary: dict) -> str:
         ("mean staleness", _fmt(summary["mean_staleness"], ".2f")),
         ("trainer idle", _fmt(summary.get("trainer_idle"), ".1%") + " of step time waiting for rollouts"),
         ("routing", _routing_line(summary.get("routing") or {})),
+        ("prefix cache hits", _prefix_cache_line(summary.get("prefix_cache") or {})),
     ]
     evaluated = summary.get("eval")
     if evaluated:

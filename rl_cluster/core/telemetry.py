@@ -80,7 +80,47 @@ GENERATOR_METRICS = (
     MetricDef("rl_generator_kv_cache_usage", "gauge", "vLLM's KV cache usage (0..1).", ("replica",)),
     MetricDef("rl_generator_requests_running", "gauge", "Requests vLLM is running.", ("replica",)),
     MetricDef("rl_generator_requests_waiting", "gauge", "Requests waiting in vLLM's queue.", ("replica",)),
+    MetricDef("rl_generator_prefix_cache_hit_rate", "gauge", "vLLM's own prefix-cache hit rate on the "
+              "replica over the run so far: prompt tokens its cache served / prompt tokens it looked up.",
+              ("replica",)),
 )  # fmt: skip
+
+# vLLM's prefix-cache counters, in prompt tokens: looked up in the cache, and found there.
+VLLM_PREFIX_CACHE = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+
+
+@dataclass
+class PrefixCacheCounts:
+    """One replica's vLLM prefix-cache counters over the run. The engine's own number, not the proxy's:
+    routing can look right (a request went where its prefix should be) while the cache misses.
+
+    A server's counters start from zero when it restarts: each reading adds what they grew since the
+    previous one, and after `restarted()` (or a reading below the previous one) all of it."""
+
+    queries: float = 0.0
+    hits: float = 0.0
+    _last: tuple[float, float] = (0.0, 0.0)
+
+    def observe(self, samples: dict[str, float]) -> None:
+        """Take one reading of the server's /metrics (sample name -> value, summed over label sets)."""
+        if not all(name in samples for name in VLLM_PREFIX_CACHE):
+            return
+        queries, hits = (samples[name] for name in VLLM_PREFIX_CACHE)
+        last_queries, last_hits = self._last if queries >= self._last[0] else (0.0, 0.0)
+        self.queries += queries - last_queries
+        self.hits += max(hits - last_hits, 0.0)
+        self._last = (queries, hits)
+
+    def restarted(self) -> None:
+        """The server was started anew: its next reading counts from zero."""
+        self._last = (0.0, 0.0)
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.queries if self.queries else None
+
+    def as_dict(self) -> dict:
+        return {"queries": int(self.queries), "hits": int(self.hits), "hit_rate": self.hit_rate}
 
 
 def finite(value) -> float | None:

@@ -22,7 +22,7 @@ from rl_cluster.config import RunConfig
 from rl_cluster.core.auth import bearer_headers
 from rl_cluster.core.manifest import split_adapter_dir_name
 from rl_cluster.core.restarts import RestartBudget
-from rl_cluster.core.telemetry import GENERATOR_METRICS, vllm_gauges
+from rl_cluster.core.telemetry import GENERATOR_METRICS, PrefixCacheCounts, vllm_gauges
 from rl_cluster.errors import ReplicaDown
 from rl_cluster.generator.server import ServerSpec, VLLMServer
 from rl_cluster.models import model_fingerprint, resolve_model
@@ -91,6 +91,7 @@ class Generator:
         self.earlier_restarts = 0
         self.spent = False  # its restart budget ran out: the pool replaces it
         self.metrics = RayMetricSet(GENERATOR_METRICS, config.run_name)
+        self.prefix_cache = PrefixCacheCounts()  # vLLM's own counters over the run, across its restarts
 
     async def start(self, replica_index: int, proxy=None, earlier_restarts: int = 0) -> str:
         """Start vLLM, wait until healthy, register with `proxy` (which loads every live adapter version
@@ -194,6 +195,9 @@ class Generator:
         self.metrics.set("rl_generator_up", 1, **tags)
         for name, value in vllm_gauges(samples).items():
             self.metrics.set(name, value, **tags)
+        self.prefix_cache.observe(samples)
+        if (rate := self.prefix_cache.hit_rate) is not None:
+            self.metrics.set("rl_generator_prefix_cache_hit_rate", rate, **tags)
 
     async def _healthy(self) -> bool:
         try:
@@ -222,6 +226,7 @@ class Generator:
         await asyncio.to_thread(self.server.stop)  # whatever is left of its process group
         await asyncio.sleep(delay)
         self.loaded.clear()  # a new server holds no adapter
+        self.prefix_cache.restarted()  # and counts its cache from zero
         self.server.start()
         await self.server.wait_healthy(self.config.generator.startup_timeout_s)
         if self.proxy is not None:
@@ -231,6 +236,12 @@ class Generator:
             flush=True,
         )
         return True
+
+    async def prefix_cache_counts(self) -> dict:
+        """vLLM's prefix-cache counters over the run (read now): queries, hits (prompt tokens), hit_rate."""
+        if self.server is not None and not self._stopping:
+            await self._export_metrics()
+        return self.prefix_cache.as_dict()
 
     def restart_count(self) -> int:
         """Restarts of this replica: its vLLM server's, and its actor's own (each counts once)."""

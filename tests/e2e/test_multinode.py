@@ -313,6 +313,11 @@ def test_ray_job_submit_across_four_nodes(cluster, hub_env, tmp_path):
     for replica, loaded in summary["versions_loaded"].items():
         assert set(published) <= set(loaded), (replica, sorted(set(published) - set(loaded)))
     assert len(summary["requests"]) == 2 and all(n > 0 for n in summary["requests"].values()), summary
+    # The engines' own prefix-cache counters, read from each replica's vLLM /metrics at the end.
+    cache = summary["prefix_cache"]
+    assert set(cache["replicas"]) == set(summary["requests"]), cache
+    assert all(c["queries"] > 0 and 0 <= c["hits"] <= c["queries"] for c in cache["replicas"].values()), cache
+    assert 0.0 <= cache["hit_rate"] <= 1.0 and "prefix cache hits" in logs
 
     for name in published[-3:]:  # the newest adapters are in the bucket, each with its manifest
         manifest = json.loads((run_dir / "adapters" / name / "manifest.json").read_text())

@@ -97,3 +97,23 @@ def test_exit_status_tells_success_mismatch_and_failure_apart():
     assert exit_status(summary(gap=None), tolerance=1e-3) == 3  # never checked: not a success
     assert exit_status(summary("stopped"), tolerance=1e-3) == 1
     assert exit_status(summary("failed", gap=None), tolerance=1e-3) == 1
+
+
+def test_the_engines_prefix_cache_hit_rate_is_summed_over_replicas_and_printed():
+    counts = {
+        "g0": {"queries": 300, "hits": 240, "hit_rate": 0.8},
+        "g1": {"queries": 100, "hits": 20, "hit_rate": 0.2},
+    }
+    s = summarize({"history": history([0.5]), "syncs": []}, {}, 1.0, prefix_cache=counts)
+    assert s["prefix_cache"] == {"hit_rate": 0.65, "replicas": counts}
+    table = summary_table(s)
+    assert (
+        "prefix cache hits" in table
+        and "65.0% of prompt tokens found in vLLM's cache (g0 80.0%, g1 20.0%)" in table
+    )
+    # No lookups yet (or no replica answered): no rate, and the table says so.
+    empty = summarize({"history": history([0.5]), "syncs": []}, {}, 1.0)
+    assert empty["prefix_cache"] == {"hit_rate": None, "replicas": {}}
+    assert [line for line in summary_table(empty).splitlines() if "prefix cache hits" in line][0].endswith(
+        "-"
+    )

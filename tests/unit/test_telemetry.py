@@ -13,6 +13,7 @@ from rl_cluster.core.telemetry import (
     STEP_GAUGES,
     STEP_HISTOGRAMS,
     TRAINER_METRICS,
+    PrefixCacheCounts,
     step_values,
     vllm_gauges,
 )
@@ -67,3 +68,18 @@ def test_real_ray_metrics_take_our_definitions_with_the_run_tag():
     assert metrics._metrics["rl_generator_restarts"].info["tag_keys"] == ("run", "replica")
     with pytest.raises(ValueError, match="replica"):  # a per-replica series without its replica
         metrics.set("rl_generator_up", 1)
+
+
+def test_prefix_cache_counts_add_up_across_server_restarts():
+    counts = PrefixCacheCounts()
+    assert counts.hit_rate is None
+    counts.observe({"vllm:num_requests_running": 1.0})  # a page without the counters changes nothing
+    counts.observe({"vllm:prefix_cache_queries_total": 100.0, "vllm:prefix_cache_hits_total": 40.0})
+    counts.observe({"vllm:prefix_cache_queries_total": 150.0, "vllm:prefix_cache_hits_total": 70.0})
+    assert (counts.queries, counts.hits) == (150.0, 70.0)
+    counts.restarted()  # a new server: its counters start from zero
+    counts.observe({"vllm:prefix_cache_queries_total": 200.0, "vllm:prefix_cache_hits_total": 180.0})
+    assert (counts.queries, counts.hits) == (350.0, 250.0)
+    # A reading below the last one is a restart nobody announced (counted from zero as well).
+    counts.observe({"vllm:prefix_cache_queries_total": 50.0, "vllm:prefix_cache_hits_total": 0.0})
+    assert counts.as_dict() == {"queries": 400, "hits": 250, "hit_rate": 250 / 400}
