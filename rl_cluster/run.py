@@ -111,9 +111,7 @@ async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
     import ray
 
     from rl_cluster.cluster import RunSecrets, check_placeable, connect, launch
-    from rl_cluster.plots import curves_png
     from rl_cluster.pool import start_pool
-    from rl_cluster.trainer.actor import TrainerActor
 
     if resume:
         check_resumable(bucket, config.run_name)
@@ -141,15 +139,7 @@ async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
             f"proxy listening on {cluster.proxy_url}; generators ready after {time.time() - start:.0f}s",
             flush=True,
         )
-        cluster.trainer = TrainerActor.options(
-            name=f"{config.run_name}-trainer",
-            num_cpus=config.trainer.num_cpus,
-            num_gpus=config.trainer.num_gpus,
-            resources={"trainer": 1},
-            # A trainer that dies is restarted and its train() call re-run: it resumes from a checkpoint.
-            max_restarts=config.trainer.max_restarts,
-            max_task_retries=config.trainer.max_restarts,
-        ).remote(config, cluster.proxy_url, secrets.proxy_token, secrets.replica_key, secrets.environment)
+        cluster.trainer = trainer_actor(config, cluster.proxy_url, secrets)
         cluster.placement["trainer"] = await cluster.trainer.placement.remote()
         for actor, where in cluster.placement.items():
             print(f"  {actor:<14} on {where['address']}", flush=True)
@@ -173,42 +163,8 @@ async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
         status, error = "failed", f"{type(e).__name__}: {e}"
         print(f"\nrun {config.run_name} failed: {error}", flush=True)
         traceback.print_exc()  # the summary keeps the message; the log keeps where it happened
-    stats: dict = {}
-    restarts: dict = {}
-    scale_events: list = []
     try:
-        if cluster is not None:
-            if status != "finished" and cluster.trainer is not None:
-                result = await _bounded(cluster.trainer.report.remote(), result)
-            stats = await _bounded(cluster.proxy.stats.remote(), {})
-            restarts = await _bounded(cluster.replica_restarts(), {})
-            if cluster.pool is not None:
-                scale_events = await _bounded(cluster.pool.scale_events.remote(), [])
-        summary = summarize(
-            result,
-            stats,
-            time.time() - start,
-            status=status,
-            error=error,
-            placement=cluster.placement if cluster else {},
-            replica_restarts=restarts,
-            scale_events=scale_events,
-        )
-        summary["run_name"] = config.run_name
-        summary["trainer_restarts"] = await asyncio.to_thread(
-            trainer_restarts, cluster.trainer if cluster else None
-        )
-        summary["resumed_from_step"] = result.get("resumed_from_step")
-        summary["experience"] = result.get("experience")
-        bucket.write_text(config.run_name, "summary.json", json.dumps(summary, indent=2))
-        if cluster is not None and cluster.trainer is not None:
-            await _bounded(cluster.trainer.finish.remote(summary), None)
-        if result["history"]:
-            bucket.write_bytes(
-                config.run_name,
-                "curves.png",
-                curves_png(result["history"], config.run_name, evals=result.get("evals")),
-            )
+        summary = await _summarize_run(config, bucket, cluster, result, status, error, time.time() - start)
     finally:
         if cluster is not None:
             await cluster.shutdown()
@@ -219,6 +175,69 @@ async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
         f"\nwritten to {bucket.run_uri(config.run_name)}/ (summary.json, metrics.jsonl, curves.png)",
         flush=True,
     )
+    return summary
+
+
+def trainer_actor(config: RunConfig, proxy_url: str, secrets):
+    """The run's trainer actor, on a node with the `trainer` resource. The run's secrets reach it as
+    constructor arguments, never through the runtime_env that Ray's dashboard shows."""
+    from rl_cluster.trainer.actor import TrainerActor
+
+    return TrainerActor.options(
+        name=f"{config.run_name}-trainer",
+        num_cpus=config.trainer.num_cpus,
+        num_gpus=config.trainer.num_gpus,
+        resources={"trainer": 1},
+        # A trainer that dies is restarted and its train() call re-run: it resumes from a checkpoint.
+        max_restarts=config.trainer.max_restarts,
+        max_task_retries=config.trainer.max_restarts,
+    ).remote(config, proxy_url, secrets.proxy_token, secrets.replica_key, secrets.environment)
+
+
+async def _summarize_run(config: RunConfig, bucket, cluster, result: dict, status: str, error: str | None,
+                         wall_time_s: float) -> dict:  # fmt: skip
+    """What the run did, from the trainer's record and the cluster's actors (each asked, bounded), written
+    to the bucket as summary.json (and curves.png), also when the run stopped or failed."""
+    from rl_cluster.plots import curves_png
+
+    stats: dict = {}
+    restarts: dict = {}
+    prefix_cache: dict = {}
+    scale_events: list = []
+    if cluster is not None:
+        if status != "finished" and cluster.trainer is not None:
+            result = await _bounded(cluster.trainer.report.remote(), result)
+        stats = await _bounded(cluster.proxy.stats.remote(), {})
+        restarts = await _bounded(cluster.replica_restarts(), {})
+        prefix_cache = await _bounded(cluster.prefix_cache_counts(), {})
+        if cluster.pool is not None:
+            scale_events = await _bounded(cluster.pool.scale_events.remote(), [])
+    summary = summarize(
+        result,
+        stats,
+        wall_time_s,
+        status=status,
+        error=error,
+        placement=cluster.placement if cluster else {},
+        replica_restarts=restarts,
+        scale_events=scale_events,
+        prefix_cache=prefix_cache,
+    )
+    summary["run_name"] = config.run_name
+    summary["trainer_restarts"] = await asyncio.to_thread(
+        trainer_restarts, cluster.trainer if cluster else None
+    )
+    summary["resumed_from_step"] = result.get("resumed_from_step")
+    summary["experience"] = result.get("experience")
+    bucket.write_text(config.run_name, "summary.json", json.dumps(summary, indent=2))
+    if cluster is not None and cluster.trainer is not None:
+        await _bounded(cluster.trainer.finish.remote(summary), None)
+    if result["history"]:
+        bucket.write_bytes(
+            config.run_name,
+            "curves.png",
+            curves_png(result["history"], config.run_name, evals=result.get("evals")),
+        )
     return summary
 
 
