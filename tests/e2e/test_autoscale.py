@@ -22,6 +22,7 @@ import secrets
 import signal
 import subprocess
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -238,6 +239,27 @@ class Load:
     def failures(self) -> list:
         return [a for a in self.answers if a[2] != 200]
 
+    def summary(self) -> str:
+        """What the load got so far (for a failure message): answers by status and by replica."""
+        statuses = Counter(status for _, _, status, _ in self.answers)
+        replicas = Counter(rid for _, _, _, rid in self.answers)
+        return f"{len(self.answers)} answers, by status {dict(statuses)}, by replica {dict(replicas)}"
+
+
+async def explained(waiting, load: Load, http, served):
+    """Await `waiting`; when it fails, say what the load got and what the proxy saw (a scale decision
+    depends on both)."""
+    try:
+        return await waiting
+    except AssertionError as e:
+        pool = await replicas(http, served)
+        view = {
+            rid: {k: r[k] for k in ("state", "in_flight", "requests")} for rid, r in pool["replicas"].items()
+        }
+        raise AssertionError(
+            f"{e}\nload: {load.summary()}\nproxy: {view}, paused {pool.get('paused')}"
+        ) from e
+
 
 # -- the tests --------------------------------------------------------------------------------------
 
@@ -251,7 +273,8 @@ async def test_demand_grows_the_pool_onto_a_new_node_and_idleness_shrinks_it(clu
 
         load = Load(http, served, workers=8, max_tokens=24)  # 8 in flight on one replica: above 3
         try:
-            await asyncio.to_thread(wait_for_line, served.log, r"pool: 1 -> 2 replicas \(demand", 60)
+            demand = asyncio.to_thread(wait_for_line, served.log, r"pool: 1 -> 2 replicas \(demand", 60)
+            await explained(demand, load, http, served)
             decided = time.monotonic()
             # Decided: a trickle now, so that two cores are not all busy while a node and a vLLM start.
             load.resize(1, max_tokens=8, pause_s=0.2)
@@ -313,9 +336,10 @@ async def test_jobs_scale_sets_the_pool_by_hand_and_scale_in_drains_under_load(c
             # Under load, by hand down to one: one goes (the newest, unless the other idles), after its
             # in-flight requests finished.
             load.resize(6, max_tokens=48)
-            await wait_for(
+            both = wait_for(
                 "requests in flight on both", lambda: _in_flight(replicas(http, served), "g0", new), 60
             )
+            await explained(both, load, http, served)
             rc, out = await scale(cluster, "--replicas", "1")
             assert rc == 0 and "1 replicas serving" in out, out
             stopped_at = time.monotonic()
