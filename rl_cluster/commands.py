@@ -91,7 +91,8 @@ def preflight(config, resume: bool) -> None:
             from rl_cluster.data import prepared_meta
 
             prepared_meta(config)
-    except (BucketUnavailable, FileNotFoundError, ValueError) as e:  # ValueError: a malformed bucket.uri
+    # ValueError: a malformed bucket.uri; PermissionError: no credentials, or a bucket the user may not use.
+    except (BucketUnavailable, FileNotFoundError, PermissionError, ValueError) as e:
         raise UsageError(str(e)) from e
 
 

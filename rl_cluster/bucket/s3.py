@@ -65,6 +65,25 @@ class S3Store(Store):
             self._fs.retries = 1
         return self._fs
 
+    def _retry(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return super()._retry(what, self._credentials_checked(fn), *args, **kwargs)
+
+    def _credentials_checked(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn`, with missing credentials as a PermissionError (never retried: they cannot appear by
+        themselves) that says where they go."""
+        from botocore.exceptions import NoCredentialsError, PartialCredentialsError
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except (NoCredentialsError, PartialCredentialsError) as e:
+                raise PermissionError(
+                    f"no S3 credentials for {self.uri} ({e}): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                    "(or AWS_PROFILE) where the driver runs and on every node"
+                ) from e
+
+        return call
+
     def _key(self, rel: str) -> str:
         return f"{self.root}/{rel}"
 

@@ -5,6 +5,7 @@ Nothing here starts Ray or vLLM: every command fails (or answers) before that.""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -146,3 +147,16 @@ def test_train_without_prepared_data_stops_before_ray_with_exit_2(tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith(f"no prepared data for this config at {tmp_path / 'b'}/datasets/")
     assert len(done.stderr.splitlines()) == 1 and "Ray" not in done.stdout + done.stderr
+
+
+def test_an_s3_bucket_without_credentials_is_one_line_at_once_not_retried(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    # No credentials anywhere botocore looks: files, and never the metadata service (no traffic leaves).
+    env |= {"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none"),
+            "AWS_EC2_METADATA_DISABLED": "true"}  # fmt: skip
+    cmd = [str(RL_CLUSTER), "train", "--config", str(CPU_DEMO), "bucket.uri=s3://b/x",
+           "bucket.s3_endpoint_url=http://127.0.0.1:9"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith("no S3 credentials for s3://b/x") and "AWS_ACCESS_KEY_ID" in done.stderr
+    assert len(done.stderr.splitlines()) == 1 and "retrying" not in done.stdout + done.stderr
