@@ -231,7 +231,7 @@ def handoff_section(r: dict) -> str:
         [
             "## 3. Handoff: publish -> routable on every replica",
             f"{r['versions']} versions per path. *publish*: `Bucket.publish_adapter` (files, then manifest). "
-            "*fetch_verified alone*: the generator's verify step timed by itself (an s3 bucket downloads into "
+            "*fetch_verified alone*: the generator's verify step timed by itself (it copies, or an s3 bucket downloads, into "
             "a fresh cache). *load on every replica*: POST /v1/load_lora_adapter to the proxy, which has each "
             "replica fetch + verify into its own cache and load into vLLM, all-or-nothing; it answers once "
             "every replica has it. *publish -> routable* = publish + load. The direct row loads the same "

@@ -251,9 +251,10 @@ class Bucket:
     ) -> Path:
         """A local directory holding the version, verified against its manifest, for vLLM to load.
 
-        Directory bucket: verified in place (the path must resolve inside the bucket root). s3 bucket:
-        downloaded into `cache_dir/<run>/adapters/<name>-vN/` (temporary directory, then rename) and
-        verified there. Raises AdapterNotFound when no manifest is visible yet (retry later),
+        Copied into `cache_dir/<run>/adapters/<name>-vN/` (temporary directory, then rename; a directory
+        bucket's path must resolve inside the bucket root) and verified there: vLLM loads the copy it
+        was checked in, which no writer to the bucket can swap afterwards (it reads the path again after
+        an eviction). A few MB per version. Raises AdapterNotFound when no manifest is visible yet (retry later),
         AdapterRejected when the version is not what was published or does not fit this replica,
         BucketUnavailable when unreachable.
         """
@@ -262,7 +263,7 @@ class Bucket:
         check_compatible(
             manifest, expected_name=name, base_fingerprint=base_fingerprint, max_lora_rank=max_lora_rank
         )
-        return self.store.fetch(rel, manifest, Path(cache_dir).absolute())
+        return self.store.fetch(rel, manifest, Path(cache_dir).absolute(), copy=True)
 
     def fetch_checkpoint(
         self, checkpoint_uri: str, *, cache_dir: str | Path, base_fingerprint: str | None = None

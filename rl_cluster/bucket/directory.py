@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import shutil
 import uuid
@@ -25,10 +26,11 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from rl_cluster.bucket.store import Conflict, Digests, Manifest, RetryPolicy, Store
-from rl_cluster.core.manifest import MANIFEST_NAME, check_files, sha256_of
+from rl_cluster.core.manifest import MANIFEST_NAME, check_files, manifest_to_json, sha256_of
 from rl_cluster.errors import AdapterRejected
 
 _CHUNK = 1 << 20
+log = logging.getLogger(__name__)
 
 
 class DirectoryStore(Store):
@@ -84,9 +86,31 @@ class DirectoryStore(Store):
     def is_committed(self, rel: str) -> bool:
         return (self.root / rel / MANIFEST_NAME).is_file()
 
-    def fetch(self, rel: str, manifest: Manifest, cache: Path) -> Path:
+    def fetch(self, rel: str, manifest: Manifest, cache: Path, copy: bool = False) -> Path:
+        if copy:
+            return verified_copy(rel, manifest, cache, lambda tmp: self._copy(rel, manifest, tmp))
         # In place: the bucket is already a local path, so `cache` is not needed.
         return self._retry(f"verify {self.uri_of(rel)}", self._verify, self.root / rel, manifest)
+
+    def _copy(self, rel: str, manifest: Manifest, tmp: Path) -> bytes:
+        """Copy the files `manifest` lists into `tmp`, hashing the bytes as they are written (the copy is
+        what gets checked), and return the manifest to commit the copy with."""
+        root, directory = self.root.resolve(), self.root / rel
+        for file in [MANIFEST_NAME, *manifest["files"]]:  # as in place: nothing linked out of the bucket
+            if not (directory / file).resolve().is_relative_to(root):
+                raise AdapterRejected(
+                    f"{file}: resolves to {(directory / file).resolve()}, outside the bucket root {root}"
+                )
+        observed: dict[str, tuple[int, str] | None] = {}
+        for file in manifest["files"]:
+            path = directory / file
+            observed[file] = (
+                self._retry(f"copy {self.uri_of(rel)}/{file}", _copy_hashed, path, tmp / file)
+                if path.is_file()
+                else None
+            )
+        check_files(manifest, observed)
+        return manifest_to_json(manifest).encode()
 
     def _verify(self, directory: Path, manifest: Manifest) -> Path:
         root = self.root.resolve()
@@ -127,6 +151,26 @@ class DirectoryStore(Store):
 
     def remove(self, rel: str, tag: str) -> None:
         self._retry(f"remove {self.uri_of(rel)}", _swap, self.root / rel, tag, None)
+
+
+def verified_copy(rel: str, manifest: Manifest, cache: Path, fill: Callable[[Path], bytes]) -> Path:
+    """`cache/<rel>`, a node-local copy of a committed directory: made by `fill(tmp)` (which checks what it
+    wrote and returns the manifest to commit it with), or, when a copy is there already, that one checked
+    again (a bad one is replaced)."""
+    local = DirectoryStore(str(cache), RetryPolicy(attempts=1))  # a local disk: nothing to retry
+    if local.is_committed(rel):
+        try:
+            return local.fetch(rel, manifest, cache)
+        except AdapterRejected as e:
+            log.warning("cached copy %s is bad (%s); copying it again", local.uri_of(rel), e)
+            local.delete(rel)
+    try:
+        local.commit(rel, fill)
+    except OSError:
+        if not local.is_committed(rel):
+            raise
+        # Another process on this node copied it first; its copy passed the same checks.
+    return Path(local.uri_of(rel)).resolve()
 
 
 def write_synced(path: Path, data: bytes) -> None:

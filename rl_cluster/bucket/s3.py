@@ -21,14 +21,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rl_cluster.bucket.directory import DirectoryStore, write_synced
+from rl_cluster.bucket.directory import verified_copy, write_synced
 from rl_cluster.bucket.store import Conflict, Digests, Manifest, RetryPolicy, Store
 from rl_cluster.core.manifest import MANIFEST_NAME, check_files, manifest_to_json, sha256_of
 from rl_cluster.errors import AdapterRejected
 
 log = logging.getLogger(__name__)
-# The cache is a local disk: an error there says nothing about reachability, so it is not retried.
-_LOCAL = RetryPolicy(attempts=1)
 
 
 class S3Store(Store):
@@ -143,21 +141,8 @@ class S3Store(Store):
                 names.add(parts[0])
         return sorted(names)
 
-    def fetch(self, rel: str, manifest: Manifest, cache: Path) -> Path:
-        local = DirectoryStore(str(cache), _LOCAL)
-        if local.is_committed(rel):
-            try:
-                return local.fetch(rel, manifest, cache)
-            except AdapterRejected as e:
-                log.warning("cached copy %s is bad (%s); downloading it again", local.uri_of(rel), e)
-                local.delete(rel)
-        try:
-            local.commit(rel, lambda tmp: self._download(rel, manifest, tmp))
-        except OSError:
-            if not local.is_committed(rel):
-                raise
-            # Another process on this node fetched it first; its copy passed the same checks.
-        return Path(local.uri_of(rel)).resolve()
+    def fetch(self, rel: str, manifest: Manifest, cache: Path, copy: bool = False) -> Path:
+        return verified_copy(rel, manifest, cache, lambda tmp: self._download(rel, manifest, tmp))
 
     def _download(self, rel: str, manifest: Manifest, tmp: Path) -> bytes:
         """Download the files `manifest` lists into `tmp`, check them, and return the manifest to commit

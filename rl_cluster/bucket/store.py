@@ -123,10 +123,12 @@ class Store(ABC):
         """Names of the committed directories (those with a manifest) right under `parent`."""
 
     @abstractmethod
-    def fetch(self, rel: str, manifest: Manifest, cache: Path) -> Path:
+    def fetch(self, rel: str, manifest: Manifest, cache: Path, copy: bool = False) -> Path:
         """A local directory holding the committed directory `rel`, every file checked against
         `manifest` (AdapterRejected names the first that differs). A remote store copies into
-        `cache/<rel>`; a directory store verifies in place."""
+        `cache/<rel>`; a directory store verifies in place, or with `copy` copies too: what is checked
+        is then the copy, which nobody else writes, and no longer the bucket's files, which a writer to
+        the bucket could swap after the check."""
 
     @abstractmethod
     def delete(self, rel: str) -> None:

@@ -268,8 +268,7 @@ class Generator:
         )
         await self.vllm.load_adapter(name, str(local))
         self.loaded.add(name)
-        if self.bucket.is_remote:
-            await asyncio.to_thread(self._trim_cache, name)
+        await asyncio.to_thread(self._trim_cache, name)
 
     async def unload_adapter(self, name: str) -> None:
         await self.vllm.unload_adapter(name)

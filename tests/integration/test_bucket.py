@@ -172,13 +172,12 @@ def test_publish_and_fetch_round_trip(bucket, tmp_path):
     local = fetch(bucket, uri, tmp_path / "cache")
     assert (local / "adapter_model.safetensors").read_bytes() == weights_of(1)
     assert (local / "adapter_config.json").read_bytes() == (src / "adapter_config.json").read_bytes()
-    if bucket.is_remote:  # the cache has the bucket's layout
-        assert local == (tmp_path / "cache" / RUN / "adapters" / "policy-v1").resolve()
-        assert fetch(bucket, uri, tmp_path / "cache") == local  # second time from the verified cache
-    else:
-        assert local == Path(uri).resolve()
-        assert not (tmp_path / "cache").exists()  # verified in place, nothing copied
-        assert [p.name for p in Path(uri).parent.iterdir()] == ["policy-v1"]  # no temporaries left
+    # Either backend: a verified copy in the cache, which has the bucket's layout.
+    assert local == (tmp_path / "cache" / RUN / "adapters" / "policy-v1").resolve()
+    assert fetch(bucket, uri, tmp_path / "cache") == local  # second time from the verified cache
+    assert [p.name for p in local.parent.iterdir()] == ["policy-v1"]  # no temporaries left
+    if not bucket.is_remote:
+        assert [p.name for p in Path(uri).parent.iterdir()] == ["policy-v1"]
     manifest = json.loads((local / "manifest.json").read_text())
     assert manifest["version"] == 1 and manifest["trainer_step"] == 10 and manifest["rank"] == 1
     assert manifest["files"]["adapter_model.safetensors"]["size"] == 4096
@@ -380,7 +379,25 @@ def test_paths_outside_the_bucket_are_refused(fs_bucket, kind, tmp_path):
     )
     refused(parent.parent, rf"not a {kind.noun} directory")
     assert kind.listed(fs_bucket) == [1, 2, 3, 4]  # links are listed; a fetch is where they are refused
-    assert kind.fetch(fs_bucket, str(uri), tmp_path / "cache") == uri.resolve()
+    # An adapter is served from the copy it was checked in; a checkpoint is read in place.
+    copied = (tmp_path / "cache" / RUN / kind.subdir / uri.name).resolve()
+    assert kind.fetch(fs_bucket, str(uri), tmp_path / "cache") == (
+        copied if kind is ADAPTERS else uri.resolve()
+    )
+
+
+def test_an_adapter_is_served_from_the_copy_it_was_verified_in(fs_bucket, tmp_path):
+    """A writer to a directory bucket who swaps a file after the check changes nothing vLLM reads: the
+    replica verified a node-local copy, and loads (and, after an eviction, re-reads) that copy."""
+    src = make_adapter(tmp_path / "src")
+    uri = publish(fs_bucket, 1, src)
+    local = fetch(fs_bucket, uri, tmp_path / "cache")
+    assert local.is_relative_to((tmp_path / "cache").resolve())
+    assert not local.is_relative_to(Path(fs_bucket.uri).resolve())
+    weights = (src / "adapter_model.safetensors").read_bytes()
+    put(fs_bucket, uri, "adapter_model.safetensors", b"swapped after the check")
+    assert (local / "adapter_model.safetensors").read_bytes() == weights
+    assert fetch(fs_bucket, uri, tmp_path / "cache") == local  # the copy, checked again, still stands
 
 
 def test_s3_uris_outside_the_bucket_are_refused(s3_bucket, tmp_path):
