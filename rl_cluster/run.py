@@ -171,10 +171,9 @@ async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
         with contextlib.suppress(Exception):
             ray.shutdown()
     print(f"\nrun {config.run_name} {status}\n{summary_table(summary)}", flush=True)
-    print(
-        f"\nwritten to {bucket.run_uri(config.run_name)}/ (summary.json, metrics.jsonl, curves.png)",
-        flush=True,
-    )
+    # metrics.jsonl and curves.png exist once a step was trained (a run can fail before its first).
+    written = ["summary.json", *(["metrics.jsonl", "curves.png"] if summary["steps"] else [])]
+    print(f"\nwritten to {bucket.run_uri(config.run_name)}/ ({', '.join(written)})", flush=True)
     return summary
 
 
