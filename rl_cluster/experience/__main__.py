@@ -32,7 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", default=".cache/bucket", help="where s3 shards are downloaded to")
     replay = parser.add_argument_group("replay")
     replay.add_argument("--replay", type=int, metavar="VERSION", help="rescore the groups of this version")
-    replay.add_argument("--model", help="base model directory (or hub id) to rescore with")
+    replay.add_argument(
+        "--model", help="base model to rescore with, as model.path: tiny, a directory or a hub id"
+    )
     replay.add_argument(
         "--adapter-dir", help="PEFT adapter directory to apply (default: the base model alone)"
     )
@@ -92,7 +94,14 @@ def _replay(dataset, args) -> int:
     if not rows:
         print(f"no stored samples of version {args.replay}", file=sys.stderr)
         return 1
-    model = load_policy(args.model, args.adapter_dir)
+    from rl_cluster.errors import UsageError
+    from rl_cluster.models import resolve_model
+
+    try:  # `tiny`, a directory or a hub id, as a run's model.path
+        model_dir = resolve_model(args.model)
+    except FileNotFoundError as e:
+        raise UsageError(f"--model {args.model}: {e}") from None
+    model = load_policy(model_dir, args.adapter_dir)
     per_group, total = replay_stats(rows, rescore(model, rows, batch_size=args.batch_size))
     policy = args.adapter_dir or f"{args.model} (no adapter)"
     print(

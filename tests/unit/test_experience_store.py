@@ -264,6 +264,10 @@ def test_replay_under_the_sampling_weights_gives_no_gap_and_another_adapter_does
         capsys, [*argv, "--adapter-dir", str(_adapter(tiny_model_dir, tmp_path / "a0", perturb=False))]
     )
     assert same["gap"] < 1e-4 and abs(same["ratio"] - 1) < 1e-4
+    # `--model tiny` names the same model as a run's model.path does (no hub is asked).
+    by_name = [*argv, "--adapter-dir", str(tmp_path / "a0")]
+    by_name[by_name.index(str(tiny_model_dir))] = "tiny"
+    assert _replay_total(capsys, by_name)["gap"] == same["gap"]
     other = _replay_total(
         capsys, [*argv, "--adapter-dir", str(_adapter(tiny_model_dir, tmp_path / "a1", perturb=True))]
     )
