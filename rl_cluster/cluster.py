@@ -30,6 +30,7 @@ import secrets
 import sys
 import tempfile
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 
 import ray
@@ -315,15 +316,28 @@ class Cluster:
             rid: n if isinstance(n, int) else None for rid, n in zip(self.generators, counts, strict=True)
         }
 
-    async def prefix_cache_counts(self) -> dict[str, dict]:
-        """Each replica's vLLM prefix-cache counters over the run (rl_cluster.core.telemetry.PrefixCacheCounts);
-        a generator that does not answer is left out."""
+    async def replica_reports(self) -> dict[str, dict]:
+        """Each generator's own record of the run (GeneratorActor.report: vLLM's prefix-cache counters, the
+        versions it loaded); a generator that does not answer is left out."""
         await self._sync_from_pool()
-        counts = await asyncio.gather(
-            *(asyncio.wait_for(g.prefix_cache_counts.remote(), 10) for g in self.generators.values()),
+        reports = await asyncio.gather(
+            *(asyncio.wait_for(g.report.remote(), 10) for g in self.generators.values()),
             return_exceptions=True,
         )
-        return {rid: c for rid, c in zip(self.generators, counts, strict=True) if isinstance(c, dict)}
+        return {rid: r for rid, r in zip(self.generators, reports, strict=True) if isinstance(r, dict)}
+
+    async def restore_proxy(self) -> str:
+        """Hand a proxy Ray restarted its generators, on the port its predecessor had; returns its URL."""
+        port = urllib.parse.urlsplit(self.proxy_url).port
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(g.membership.remote(), 30) for g in self.generators.values()),
+            return_exceptions=True,
+        )
+        # One without a server (starting, restarting, its actor gone) registers by itself when it has one.
+        members = {rid: m for rid, m in zip(self.generators, answers, strict=True) if isinstance(m, tuple)}
+        url = await self.proxy.restore.remote(port, members)
+        print(f"proxy restarted by Ray: serving again on {url} with {sorted(members)}", flush=True)
+        return url
 
     async def shutdown(self) -> None:
         """Generators leave the proxy and stop their vLLM servers, then the proxy stops, then the actors
@@ -369,7 +383,12 @@ async def launch(
     # The proxy refuses adapter paths outside the bucket before any replica sees them.
     adapter_root = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url).uri
     proxy = ProxyActor.options(
-        name=f"{config.run_name}-proxy", num_cpus=config.proxy.num_cpus, **proxy_options()
+        name=f"{config.run_name}-proxy",
+        num_cpus=config.proxy.num_cpus,
+        # A proxy whose process died is restarted where it was; calls made meanwhile wait for it.
+        max_restarts=config.proxy.max_restarts,
+        max_task_retries=-1 if config.proxy.max_restarts else 0,
+        **proxy_options(),
     ).remote(
         config.proxy,
         adapter_root=adapter_root,

@@ -285,6 +285,10 @@ class ProxyConfig(Section):
     600 s request timeout, so the proxy's answer, not a client timeout, is what the run reports."""
     num_cpus: float = Field(0.0, ge=0)
     """CPUs the proxy actor reserves."""
+    max_restarts: int = Field(3, ge=0)
+    """Times Ray restarts the proxy actor after its process died. The new one binds the same address,
+    and the run's pool controller hands it the generators, which tell it what they hold: it serves again
+    once they caught up, with the versions they serve routable. Clients retry meanwhile (bounded)."""
 
     @model_validator(mode="after")
     def _n_fits_a_request(self) -> ProxyConfig:

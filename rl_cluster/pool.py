@@ -141,6 +141,10 @@ class PoolController:
             if self._watch is None or self._watch.done():
                 self._watch = asyncio.get_running_loop().create_task(self._mend())
             try:
+                if await self.cluster.proxy.awaiting_restore.remote():
+                    # Ray restarted the proxy (its process died): only this actor knows the generators.
+                    async with self._growing:  # not while an add registers a generator with it
+                        await self.cluster.restore_proxy()
                 await self.step()
             except Exception:
                 logger.exception("pool controller step failed")

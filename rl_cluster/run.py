@@ -201,14 +201,14 @@ async def _summarize_run(config: RunConfig, bucket, cluster, result: dict, statu
 
     stats: dict = {}
     restarts: dict = {}
-    prefix_cache: dict = {}
+    reports: dict = {}
     scale_events: list = []
     if cluster is not None:
         if status != "finished" and cluster.trainer is not None:
             result = await _bounded(cluster.trainer.report.remote(), result)
         stats = await _bounded(cluster.proxy.stats.remote(), {})
         restarts = await _bounded(cluster.replica_restarts(), {})
-        prefix_cache = await _bounded(cluster.prefix_cache_counts(), {})
+        reports = await _bounded(cluster.replica_reports(), {})
         if cluster.pool is not None:
             scale_events = await _bounded(cluster.pool.scale_events.remote(), [])
     summary = summarize(
@@ -220,12 +220,13 @@ async def _summarize_run(config: RunConfig, bucket, cluster, result: dict, statu
         placement=cluster.placement if cluster else {},
         replica_restarts=restarts,
         scale_events=scale_events,
-        prefix_cache=prefix_cache,
+        prefix_cache={rid: r["prefix_cache"] for rid, r in reports.items()},
+        replica_versions={rid: r["versions_loaded"] for rid, r in reports.items()},
     )
     summary["run_name"] = config.run_name
-    summary["trainer_restarts"] = await asyncio.to_thread(
-        trainer_restarts, cluster.trainer if cluster else None
-    )
+    trainer, proxy = (cluster.trainer, cluster.proxy) if cluster else (None, None)
+    summary["trainer_restarts"] = await asyncio.to_thread(actor_restarts, trainer, "trainer")
+    summary["proxy_restarts"] = await asyncio.to_thread(actor_restarts, proxy, "proxy")
     summary["resumed_from_step"] = result.get("resumed_from_step")
     summary["experience"] = result.get("experience")
     bucket.write_text(config.run_name, "summary.json", json.dumps(summary, indent=2))
@@ -248,16 +249,17 @@ def metrics_exports() -> str:
     return " ".join(f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics" for n in nodes)
 
 
-def trainer_restarts(trainer) -> int | None:
-    """How often Ray restarted the trainer actor, from Ray's state API; None when it cannot tell."""
-    if trainer is None:
+def actor_restarts(actor, what: str) -> int | None:
+    """How often Ray restarted `actor` (the trainer, the proxy), from Ray's state API; None when it
+    cannot tell."""
+    if actor is None:
         return 0
     from ray.util.state import get_actor
 
     try:
-        state = get_actor(trainer._actor_id.hex())
+        state = get_actor(actor._actor_id.hex())
     except Exception as e:
-        print(f"  (trainer restarts unknown: {type(e).__name__}: {e})", flush=True)
+        print(f"  ({what} restarts unknown: {type(e).__name__}: {e})", flush=True)
         return None
     return int(state.num_restarts) if state is not None else None
 

@@ -64,7 +64,7 @@ class S3Store(Store):
         return self._fs
 
     def _retry(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return super()._retry(what, self._credentials_checked(fn), *args, **kwargs)
+        return self.policy.call(self.uri, what, self._credentials_checked(fn), *args, **kwargs)
 
     def _credentials_checked(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn`, with missing credentials as a PermissionError (never retried: they cannot appear by

@@ -82,9 +82,12 @@ def summarize(
     replica_restarts: dict | None = None,
     scale_events: list[dict] | None = None,
     prefix_cache: dict[str, dict] | None = None,
+    replica_versions: dict[str, list[str]] | None = None,
 ) -> dict:
     """`status`: finished, stopped (a signal, `ray job stop`) or failed (`error` says why); a run that did
-    not finish is summarised with what it did. `placement`: actor -> {address, node_id}."""
+    not finish is summarised with what it did. `placement`: actor -> {address, node_id}.
+    `replica_versions`: the versions each generator says it loaded; with what the proxy saw, they make
+    `versions_loaded` (a restarted proxy saw only what came after it)."""
     history, syncs = trainer_result["history"], trainer_result["syncs"]
     first, last = fifths([r["reward"] for r in history])
     handoffs = [s["handoff_s"] for s in syncs]
@@ -98,7 +101,7 @@ def summarize(
         "reward_first_fifth": first,
         "reward_last_fifth": last,
         "versions_published": [s["adapter"] for s in syncs],
-        "versions_loaded": {rid: sorted(r["adapters_ever_loaded"]) for rid, r in replicas.items()},
+        "versions_loaded": versions_loaded(replicas, replica_versions or {}),
         "requests": {rid: r["requests"] for rid, r in replicas.items()},
         "served_vs_trained_gap": max(gaps) if gaps else None,
         "handoff_s_p50": statistics.median(handoffs) if handoffs else None,
@@ -118,6 +121,18 @@ def summarize(
         "scale_events": scale_events or [],
         # Held-out evals (rl_cluster.core.evaluation.eval_summary): first, last, pass@1 / mean@k per step.
         "eval": eval_summary(trainer_result.get("evals", [])),
+    }
+
+
+def versions_loaded(proxy_replicas: dict[str, dict], replica_versions: dict[str, list[str]]) -> dict:
+    """Per replica, every version it loaded: what the proxy saw and what the generator itself says."""
+    rids = [*proxy_replicas, *(r for r in replica_versions if r not in proxy_replicas)]
+    return {
+        rid: sorted(
+            set(proxy_replicas.get(rid, {}).get("adapters_ever_loaded", []))
+            | set(replica_versions.get(rid, []))
+        )
+        for rid in rids
     }
 
 
@@ -195,6 +210,9 @@ def summary_table(summary: dict) -> str:
     restarted = {rid: n for rid, n in summary.get("replica_restarts", {}).items() if n}
     if restarted:
         rows.append(("replica restarts", ", ".join(f"{rid} {n}" for rid, n in restarted.items())))
+    for actor in ("trainer", "proxy"):  # Ray restarted the actor after its process died
+        if summary.get(f"{actor}_restarts"):
+            rows.append((f"{actor} restarts", summary[f"{actor}_restarts"]))
     for event in summary.get("scale_events", []):
         rows.append(("pool scaled", f"{event['from']} -> {event['to']}: {event['reason']}"))
     for actor, where in summary.get("placement", {}).items():

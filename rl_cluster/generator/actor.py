@@ -80,7 +80,8 @@ class Generator:
         self._session: aiohttp.ClientSession | None = None
         self.base_fingerprint = ""
         self.proxy = None
-        self.loaded: set[str] = set()
+        self.loaded: dict[str, str] = {}  # adapter name -> the bucket path it was loaded from
+        self.ever_loaded: set[str] = set()  # over the run, across restarts of its server and of the proxy
         self.last_unloaded: str | None = None
         self.restarts = RestartBudget(config.generator.max_restarts, config.generator.restart_backoff_s)
         self._supervisor: asyncio.Task | None = None
@@ -103,6 +104,15 @@ class Generator:
         except BaseException:
             self._began = False
             raise
+
+    def membership(self) -> tuple[str, ActorAdapterLoader, int | None, dict[str, str]] | None:
+        """What a proxy needs to route to this replica: (url, control, capacity, held: the adapter versions
+        its server holds and the bucket paths they came from). None while it has no server."""
+        if self.server is None or self.vllm is None:
+            return None
+        me = ray.get_runtime_context().current_actor
+        g = self.config.generator
+        return self.server.url, ActorAdapterLoader(me), max_num_seqs(g.extra_args), dict(self.loaded)
 
     def condition(self) -> dict:
         """What the run's pool controller polls: did start() begin (False: Ray restarted this actor after
@@ -140,10 +150,8 @@ class Generator:
         self._session = aiohttp.ClientSession(headers=bearer_headers(self.api_key))
         self.vllm = HttpAdapterLoader(self.server.url, self._session)
         if proxy is not None:
-            me = ray.get_runtime_context().current_actor
-            await proxy.add_replica.remote(
-                self.replica_id, self.server.url, ActorAdapterLoader(me), max_num_seqs(g.extra_args)
-            )
+            url, control, capacity, _ = self.membership()
+            await proxy.add_replica.remote(self.replica_id, url, control, capacity)
             self.proxy = proxy
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
         return self.server.url
@@ -237,11 +245,12 @@ class Generator:
         )
         return True
 
-    async def prefix_cache_counts(self) -> dict:
-        """vLLM's prefix-cache counters over the run (read now): queries, hits (prompt tokens), hit_rate."""
+    async def report(self) -> dict:
+        """What the replica did over the run, for the summary: `prefix_cache`, vLLM's counters read now
+        (queries, hits in prompt tokens, hit_rate), and `versions_loaded`, every adapter it loaded."""
         if self.server is not None and not self._stopping:
             await self._export_metrics()
-        return self.prefix_cache.as_dict()
+        return {"prefix_cache": self.prefix_cache.as_dict(), "versions_loaded": sorted(self.ever_loaded)}
 
     def restart_count(self) -> int:
         """Restarts of this replica: its vLLM server's, and its actor's own (each counts once)."""
@@ -267,12 +276,13 @@ class Generator:
             max_lora_rank=self.config.generator.max_lora_rank,
         )
         await self.vllm.load_adapter(name, str(local))
-        self.loaded.add(name)
+        self.loaded[name] = path
+        self.ever_loaded.add(name)
         await asyncio.to_thread(self._trim_cache, name)
 
     async def unload_adapter(self, name: str) -> None:
         await self.vllm.unload_adapter(name)
-        self.loaded.discard(name)
+        self.loaded.pop(name, None)
         self.last_unloaded = name
 
     def _trim_cache(self, newest: str) -> None:

@@ -48,10 +48,16 @@ class ProxyActor:
         self._metrics = RayMetrics(run_name=run_name)
         self._server.broadcast_latency.listeners.append(self._metrics.observe_broadcast)
         self._exporter: asyncio.Task | None = None
+        # False until start(). The run's launch starts the first one; one that Ray restarted after its
+        # process died (proxy.max_restarts) serves nothing until the run's pool controller, which alone
+        # knows the generators, restores it (`restore`).
+        self.serving = False
 
-    async def start(self) -> str:
-        """Start serving; returns the proxy's base URL."""
-        url = await self._server.start()
+    async def start(self, port: int | None = None) -> str:
+        """Start serving; returns the proxy's base URL. `port`: bind this one (a restarted proxy takes
+        its predecessor's, where the clients look), else the configured one."""
+        url = await self._server.start(port)
+        self.serving = True
         freeze_startup_heap()  # this process serves the proxy alone: its collector may be tuned for it
         self._exporter = asyncio.get_running_loop().create_task(self._export_metrics())
         return url
@@ -68,6 +74,21 @@ class ProxyActor:
         self, replica_id: str, url: str, control: AdapterLoader | None = None, capacity: int | None = None
     ) -> None:
         await self._server.add_replica(replica_id, url, control, capacity)
+
+    async def awaiting_restore(self) -> bool:
+        """True while it does not serve: once the run launched, that is a proxy Ray restarted, which the
+        pool controller (started after the launch) restores."""
+        return not self.serving
+
+    async def restore(self, port: int, members: dict[str, tuple]) -> str:
+        """Serve again on `port` and take the replicas back, each with what it holds (ProxyServer.restore);
+        returns the URL. `members`: replica id -> GeneratorActor.membership()."""
+        url = await self.start(port)
+        logger.warning(
+            "proxy restarted by Ray: serving again on %s, restoring %d replicas", url, len(members)
+        )
+        await self._server.restore(members)
+        return url
 
     async def remove_replica(self, replica_id: str, drain_timeout_s: float = 300.0) -> None:
         await self._server.remove_replica(replica_id, drain_timeout_s)

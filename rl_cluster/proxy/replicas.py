@@ -109,6 +109,14 @@ class ReplicaPool:
 
     # -- joining and catching up ------------------------------------------------------------------------
 
+    def adopt(self, versions: dict[str, str]) -> None:
+        """Make `versions` (name -> bucket path) routable before any replica is registered: what the
+        replicas of a restarted proxy serve. Each replica loads those it lacks when it catches up."""
+        if self.replicas:
+            raise RuntimeError("adopt() is for a proxy with no replica yet (a restarted one)")
+        for name, path in versions.items():
+            self.book.publish(name, path)
+
     async def add(
         self, replica_id: str, url: str, loader: AdapterLoader, capacity: int | None = None
     ) -> None:

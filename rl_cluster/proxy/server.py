@@ -95,8 +95,9 @@ class ProxyServer:
 
     # -- lifecycle --------------------------------------------------------------------------------------
 
-    async def start(self) -> str:
-        """Bind and serve; returns the base URL (port 0 in the config picks a free port)."""
+    async def start(self, port: int | None = None) -> str:
+        """Bind and serve; returns the base URL. `port`: where to bind (None: the configured port, where 0
+        picks a free one); a restarted proxy binds the port its predecessor had, where clients look."""
         # No connection limit on the data path: every in-flight generation holds a connection.
         # Both sessions carry the replicas' key: every route of a replica demands it.
         self._data_session = aiohttp.ClientSession(
@@ -126,7 +127,7 @@ class ProxyServer:
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         bind = self.config.host or "127.0.0.1"  # unset: loopback (ProxyActor picks the node's address)
-        site = web.TCPSite(self._runner, bind, self.config.port)
+        site = web.TCPSite(self._runner, bind, port if port is not None else self.config.port)
         await site.start()
         port = self._runner.addresses[0][1]
         host = bind if ":" not in bind else f"[{bind}]"
@@ -156,6 +157,23 @@ class ProxyServer:
         url = url.rstrip("/")
         loader = control or HttpAdapterLoader(url, self._admin_session)
         await self._pool.add(replica_id, url, loader, capacity)
+
+    async def restore(
+        self, members: dict[str, tuple[str, AdapterLoader | None, int | None, dict[str, str]]]
+    ) -> None:
+        """Rebuild a restarted proxy's state from the replicas it had: `members` is replica id -> (url,
+        control, capacity, held), `held` the adapter versions the replica serves and the bucket paths
+        they came from. Every version some replica holds becomes routable again (loaded on the others
+        by their catch-up: a version whose broadcast the old proxy did not finish is completed, not lost);
+        the replicas register one by one, and each catches up (and is resumed) before it serves."""
+        self._pool.adopt({name: path for *_, held in members.values() for name, path in held.items()})
+        for replica_id, (url, control, capacity, _) in members.items():
+            try:
+                await self.add_replica(replica_id, url, control, capacity)
+            except Exception as e:  # the others still serve; this one comes back through its own restart
+                logger.warning(
+                    "replica %s could not rejoin the restarted proxy: %s: %s", replica_id, type(e).__name__, e
+                )
 
     async def remove_replica(self, replica_id: str, drain_timeout_s: float = 300.0) -> None:
         """Stop routing to the replica, wait (bounded) for its in-flight requests, then forget it."""
@@ -293,6 +311,10 @@ class ProxyServer:
             return error_response(
                 400, f"The lora adapter '{name}' conflicts with a served base model.", "InvalidUserInput"
             )
+        if self._pool.book.is_routable(name) and self._pool.book.live_adapters()[name] == path:
+            # Loaded already from this very path: a client's retry after an answer it never got (the
+            # proxy it sent the load to died), as vLLM's names are never reused for other weights.
+            return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
         try:
             await self._pool.load(name, path)
         except AdapterExists:

@@ -7,9 +7,14 @@ start-up, /health, /server_info and /v1/models, through compat's AuthorizedVLLMC
 
 from __future__ import annotations
 
+import logging
+import time
+
 import requests
 
 from rl_cluster.core.auth import bearer_headers
+
+logger = logging.getLogger(__name__)
 
 
 class ProxyControlError(RuntimeError):
@@ -17,16 +22,39 @@ class ProxyControlError(RuntimeError):
 
 
 class ProxyClient:
-    def __init__(self, url: str, auth_token: str | None = None, timeout_s: float = 600.0):
+    def __init__(
+        self, url: str, auth_token: str | None = None, timeout_s: float = 600.0, reconnect_s: float = 180.0
+    ):
+        """`reconnect_s`: how long a call keeps trying while the proxy does not answer at all (Ray
+        restarts a proxy whose process died, on the same address: proxy.max_restarts)."""
         self.url = url.rstrip("/")
         self.auth_token = auth_token  # also what the rollout loop and the eval send (compat item 19)
         self.headers = bearer_headers(auth_token)
         self.timeout_s = timeout_s
+        self.reconnect_s = reconnect_s
+
+    def _request(self, method: str, route: str, timeout: float, **kwargs) -> requests.Response:
+        """One call, tried again while the proxy cannot be reached (a connection refused or reset, no
+        answer): bounded by `reconnect_s`. Loads are safe to repeat: the proxy answers a load of a name
+        it holds from the same path with success."""
+        deadline = time.monotonic() + self.reconnect_s
+        delay = 1.0
+        while True:
+            try:
+                return requests.request(
+                    method, f"{self.url}{route}", headers=self.headers, timeout=timeout, **kwargs
+                )
+            except requests.ConnectionError as e:
+                if time.monotonic() + delay > deadline:
+                    raise ProxyControlError(
+                        f"proxy {self.url} unreachable for {self.reconnect_s:.0f} s ({route}): {e}"
+                    ) from e
+                logger.warning("proxy %s unreachable (%s); trying again in %.0f s", self.url, route, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 10.0)
 
     def _post(self, route: str, payload: dict) -> None:
-        response = requests.post(
-            f"{self.url}{route}", json=payload, headers=self.headers, timeout=self.timeout_s
-        )
+        response = self._request("POST", route, self.timeout_s, json=payload)
         if response.status_code != 200:
             raise ProxyControlError(
                 f"proxy {route} {payload} failed: HTTP {response.status_code}: {response.text}"
@@ -40,20 +68,21 @@ class ProxyClient:
         """Closes `name` to new requests; replicas unload it once its in-flight requests finish."""
         self._post("/v1/unload_lora_adapter", {"lora_name": name})
 
+    def _replicas(self) -> dict:
+        response = self._request("GET", "/replicas", 30)
+        response.raise_for_status()
+        return response.json()
+
     def replicas(self) -> dict[str, dict]:
         """Per replica: url, state, requests, in_flight, adapters_loaded, ... (the proxy's /replicas)."""
-        response = requests.get(f"{self.url}/replicas", headers=self.headers, timeout=30)
-        response.raise_for_status()
-        return response.json()["replicas"]
+        return self._replicas()["replicas"]
 
     def active_replica_urls(self) -> list[str]:
         return [r["url"] for r in self.replicas().values() if r["state"] == "active"]
 
     def routable_adapters(self) -> set[str]:
         """Adapter names open to new requests (loaded and not unloaded)."""
-        response = requests.get(f"{self.url}/replicas", headers=self.headers, timeout=30)
-        response.raise_for_status()
-        return set(response.json()["adapters_routable"])
+        return set(self._replicas()["adapters_routable"])
 
     def loaded_adapters(self) -> set[str]:
         """Adapter names some replica still holds (an unloaded name stays until its last request ends)."""

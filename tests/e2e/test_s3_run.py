@@ -1,11 +1,13 @@
-"""A run through three engine crashes, end to end, against an s3:// bucket (moto on loopback).
+"""A run through three engine crashes and a proxy crash, end to end, against an s3:// bucket (moto on loopback).
 
 The run has one replica, so it cannot outrun the faults: while its vLLM engine is down, nothing is
 generated and training waits. Its engine process is SIGKILLed three times, each time after the restarted
 replica served a step again. Each time its GeneratorActor restarts the server, the proxy holds the
 requests that were on it and the next sync's load until it is back, and it reloads every live version
 from its own verified local cache of the bucket before it takes traffic. The run completes all its
-steps, and every group is accounted for.
+steps, and every group is accounted for. Then the proxy's process is SIGKILLed: Ray restarts the actor,
+which binds the same address, and the run's pool controller hands it the replica with the versions it
+holds; the trainer's sync calls and its rollout requests are retried meanwhile, and no group is lost.
 
 The run is the lockstep baseline (trainer.mode=sync): every sample is trained on the policy it was
 generated with, none is dropped, also across the crashes.
@@ -69,7 +71,29 @@ def engine_core(marker: str, timeout_s: float = 120) -> int:
     raise AssertionError(f"no single engine core process of the run within {timeout_s:.0f} s")
 
 
-def test_a_run_through_three_engine_kills_on_an_s3_bucket(tmp_path, monkeypatch):
+def proxy_actor(marker: str, timeout_s: float = 60) -> int:
+    """The pid of this run's ProxyActor process (Ray titles an actor's worker `ray::<class>`)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = []
+        for pid in map(
+            int,
+            subprocess.run(
+                ["pgrep", "-f", "^ray::ProxyActor"], capture_output=True, text=True
+            ).stdout.split(),
+        ):
+            try:
+                if marker.encode() in Path(f"/proc/{pid}/environ").read_bytes():
+                    found.append(pid)
+            except OSError:
+                continue
+        if len(found) == 1:
+            return found[0]
+        time.sleep(0.5)
+    raise AssertionError(f"no single ProxyActor process of the run within {timeout_s:.0f} s")
+
+
+def test_a_run_through_three_engine_kills_and_a_proxy_kill_on_an_s3_bucket(tmp_path, monkeypatch):
     for key, value in S3_ENV.items():
         monkeypatch.setenv(key, value)  # the run and this test both read the bucket
     name, value = "RL_CLUSTER_TEST", uuid.uuid4().hex
@@ -102,6 +126,12 @@ def test_a_run_through_three_engine_kills_on_an_s3_bucket(tmp_path, monkeypatch)
                 wait_for(log, r"replica g0: serving again", run, count=kill, timeout_s=300)
                 # Training went on on the restarted replica: a step after the kill's.
                 wait_for(log, rf"step +{before + 1}/{STEPS}", run, timeout_s=300)
+            # The proxy's process dies: Ray restarts it on the same address, the pool controller hands it
+            # the replica and what it holds, and the trainer's calls and requests meanwhile are retried.
+            before = last_step(log)
+            os.kill(proxy_actor(marker), signal.SIGKILL)
+            wait_for(log, r"proxy restarted by Ray: serving again on \S+ with \['g0'\]", run, timeout_s=180)
+            wait_for(log, rf"step +{before + 1}/{STEPS}", run, timeout_s=300)
             assert last_step(log) < STEPS, "the run ended before its last crash: nothing tested it"
             assert run.wait(timeout=600) == 0, log.read_text()[-6000:]
         finally:
@@ -120,6 +150,7 @@ def test_a_run_through_three_engine_kills_on_an_s3_bucket(tmp_path, monkeypatch)
     assert summary["status"] == "finished"
     assert summary["steps"] == len(metrics) == STEPS
     assert summary["replica_restarts"] == {"g0": KILLS}, summary["replica_restarts"]
+    assert (summary["proxy_restarts"], summary["trainer_restarts"]) == (1, 0)
     # Lockstep, also across the crashes: each step trains on samples of the version published just before it.
     assert [m["staleness"] for m in metrics] == [0.0] * STEPS
     assert [m["policy_version"] for m in metrics] == list(range(2, STEPS + 2))

@@ -294,3 +294,61 @@ async def test_a_hung_replica_misses_its_deadlines_and_catches_up_when_it_answer
             f"{url}/v1/completions", {"model": second, "prompt": "2+2", "max_tokens": 2}
         )
         assert status == 200
+
+
+async def test_a_restarted_proxy_takes_the_replicas_back_with_what_they_hold(vllm_servers, adapter_dir):  # noqa: F811
+    """The proxy's process died mid-broadcast: r0 had loaded `second`, r1 not yet. A new proxy on the same
+    port is handed the replicas and what each holds (as the pool controller does with the generators'
+    own record): both versions are routable again, r1 loads the one it lacked before it serves, and the
+    client's retried load of `second` succeeds instead of being refused as a reused name."""
+    r0, r1 = (HttpAdapterLoader(s.url) for s in vllm_servers)
+    first, second = unique("held-by-both"), unique("mid-broadcast")
+    path = str(adapter_dir)
+    async with proxy_over({"r0": vllm_servers[0].url, "r1": vllm_servers[1].url}) as (old, url):
+        status, body = await post_json(f"{url}/v1/load_lora_adapter", {"lora_name": first, "lora_path": path})
+        assert status == 200, body
+        await r0.load_adapter(second, path)  # the broadcast of `second` reached r0 only
+        port = int(url.rsplit(":", 1)[1])
+        # The process dies: its port closes, nothing is unloaded or resumed.
+        await old._runner.cleanup()
+        old._runner = None
+        await old._pool.stop()
+
+        new = ProxyServer(ProxyConfig())
+        assert await new.start(port) == url  # where the clients look
+        try:
+            held = {"r0": {first: path, second: path}, "r1": {first: path}}
+            await new.restore(
+                {
+                    rid: (s.url, None, None, held[rid])
+                    for rid, s in zip(("r0", "r1"), vllm_servers, strict=True)
+                }
+            )
+            stats = new.stats()
+            assert stats["adapters_routable"] == sorted([first, second])
+            assert {rid: r["state"] for rid, r in stats["replicas"].items()} == {
+                "r0": "active",
+                "r1": "active",
+            }
+            assert {first, second} <= await replica_models(vllm_servers[1])  # r1 caught up on `second`
+            # The client's retry of the load the dead proxy never answered: done already, so 200.
+            status, body = await post_json(
+                f"{url}/v1/load_lora_adapter", {"lora_name": second, "lora_path": path}
+            )
+            assert status == 200, body
+            # Another path under a taken name stays refused: names are never reused for other weights.
+            status, _ = await post_json(
+                f"{url}/v1/load_lora_adapter", {"lora_name": second, "lora_path": str(adapter_dir.parent)}
+            )
+            assert status == 400
+            results = await asyncio.gather(
+                *(post_routed(f"{url}/v1/completions", {"model": second, "prompt": f"{i}-1=", "max_tokens": 2})
+                  for i in range(4))
+            )  # fmt: skip
+            assert all(status == 200 for status, _, _ in results), results
+        finally:
+            for loader in (r0, r1):
+                for name in (first, second):
+                    with contextlib.suppress(Exception):
+                        await loader.unload_adapter(name)
+            await new.stop()

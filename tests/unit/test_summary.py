@@ -117,3 +117,12 @@ def test_the_engines_prefix_cache_hit_rate_is_summed_over_replicas_and_printed()
     assert [line for line in summary_table(empty).splitlines() if "prefix cache hits" in line][0].endswith(
         "-"
     )
+
+
+def test_versions_loaded_joins_what_the_proxy_saw_and_what_each_generator_says():
+    # The proxy was restarted after v2: it saw only v3 on g0; g0's own record has all three.
+    stats = {"replicas": {"g0": {"requests": 3, "adapters_ever_loaded": ["r-v3"]}}}
+    own = {"g0": ["r-v1", "r-v2", "r-v3"], "g1": ["r-v1"]}  # g1 answered its actor, not the proxy
+    s = summarize({"history": history([0.5]), "syncs": []}, stats, 1.0, replica_versions=own)
+    assert s["versions_loaded"] == {"g0": ["r-v1", "r-v2", "r-v3"], "g1": ["r-v1"]}
+    assert "replica g0             3 requests, 3 versions loaded" in summary_table(s)
