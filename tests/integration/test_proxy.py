@@ -166,9 +166,11 @@ async def test_trl_vllm_client_against_proxy(start_proxy, vllm_servers, adapter_
     openai = openai_client(url)
     out = await openai.completions.create(model=name, prompt="3+4", max_tokens=4, temperature=0)
     assert out.model == name and out.choices[0].text is not None
-    # A second load of the same name is refused like vLLM refuses it.
+    # A second load of the same name from the same path is a retry (the client never got the answer):
+    # done already. From another path it is refused like vLLM refuses it: names are never reused.
+    await asyncio.to_thread(client.load_lora_adapter, name, str(adapter_dir))
     with pytest.raises(Exception, match="already been loaded"):
-        await asyncio.to_thread(client.load_lora_adapter, name, str(adapter_dir))
+        await asyncio.to_thread(client.load_lora_adapter, name, str(adapter_dir.parent))
 
     await asyncio.to_thread(client.unload_lora_adapter, name)
     await wait_until(lambda: not any(r["adapters_loaded"] for r in replica_stats(proxy)))
