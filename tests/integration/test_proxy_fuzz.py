@@ -274,8 +274,10 @@ def fuzz_bucket(tmp_path):
 
 
 async def test_fuzz(vllm_servers, tiny_model_dir, fuzz_bucket):
+    # load_deadline_s bounds each replica's answer to a load too: long enough for a real one to answer
+    # (one that does not is down), short enough that a missing adapter's retries end soon.
     proxy = ProxyServer(
-        ProxyConfig(auth_token=TOKEN, max_body_bytes=MAX_BODY, max_n=8, load_deadline_s=0.3, load_retry_interval_s=0.1),
+        ProxyConfig(auth_token=TOKEN, max_body_bytes=MAX_BODY, max_n=8, load_deadline_s=3.0, load_retry_interval_s=0.1),
         adapter_root=str(fuzz_bucket),
     )  # fmt: skip
     url = await proxy.start()
