@@ -271,7 +271,10 @@ async def test_demand_grows_the_pool_onto_a_new_node_and_idleness_shrinks_it(clu
         v1 = await publish_and_load(http, served, 1)
         assert set((await replicas(http, served))["replicas"]) == {"g0"}
 
-        load = Load(http, served, workers=8, max_tokens=24)  # 8 in flight on one replica: above 3
+        # 8 in flight on one replica: above 3. Long answers, so that the count stays above 3 between
+        # answers also when this process gets little CPU (short ones let a sample dip, and a dip restarts
+        # the 3 s window: CI saw no decision within 60 s).
+        load = Load(http, served, workers=8, max_tokens=96)
         try:
             demand = asyncio.to_thread(wait_for_line, served.log, r"pool: 1 -> 2 replicas \(demand", 60)
             await explained(demand, load, http, served)
@@ -335,7 +338,9 @@ async def test_jobs_scale_sets_the_pool_by_hand_and_scale_in_drains_under_load(c
 
             # Under load, by hand down to one: one goes (the newest, unless the other idles), after its
             # in-flight requests finished.
-            load.resize(6, max_tokens=48)
+            # Long answers: the replica that goes must have requests in flight when its drain begins (with
+            # short ones it could be idle at that sample, and idle replicas go first; CI saw that).
+            load.resize(6, max_tokens=160)
             both = wait_for(
                 "requests in flight on both", lambda: _in_flight(replicas(http, served), "g0", new), 60
             )
