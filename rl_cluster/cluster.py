@@ -316,12 +316,12 @@ class Cluster:
             rid: n if isinstance(n, int) else None for rid, n in zip(self.generators, counts, strict=True)
         }
 
-    async def replica_reports(self) -> dict[str, dict]:
+    async def replica_reports(self, fresh: bool = True) -> dict[str, dict]:
         """Each generator's own record of the run (GeneratorActor.report: vLLM's prefix-cache counters, the
         versions it loaded); a generator that does not answer is left out."""
         await self._sync_from_pool()
         reports = await asyncio.gather(
-            *(asyncio.wait_for(g.report.remote(), 10) for g in self.generators.values()),
+            *(asyncio.wait_for(g.report.remote(fresh), 10) for g in self.generators.values()),
             return_exceptions=True,
         )
         return {rid: r for rid, r in zip(self.generators, reports, strict=True) if isinstance(r, dict)}

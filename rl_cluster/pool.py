@@ -82,6 +82,7 @@ class PoolController:
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.Task | None = None
         self._watch: asyncio.Task | None = None  # the current look after the generators (_mend)
+        self.proxy_restores = 0  # proxies Ray restarted that this controller handed the generators
 
     # -- the actor's interface ----------------------------------------------------------------------
 
@@ -116,6 +117,10 @@ class PoolController:
         stats = await self.cluster.proxy.stats.remote()
         return len(self._snapshot(stats, time.monotonic())[0].serving)
 
+    async def proxy_restarts(self) -> int:
+        """How often the proxy was restarted (and restored) so far: summary.json's proxy_restarts."""
+        return self.proxy_restores
+
     async def scale_events(self) -> list[dict]:
         return [event.as_dict() for event in self.events]
 
@@ -145,6 +150,7 @@ class PoolController:
                     # Ray restarted the proxy (its process died): only this actor knows the generators.
                     async with self._growing:  # not while an add registers a generator with it
                         await self.cluster.restore_proxy()
+                    self.proxy_restores += 1
                 await self.step()
             except Exception:
                 logger.exception("pool controller step failed")

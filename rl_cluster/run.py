@@ -66,6 +66,10 @@ async def _bounded(awaitable: Awaitable, default):
         return default
 
 
+async def _now(value):
+    return value
+
+
 def check_fresh_run_name(bucket, run_name: str) -> None:
     if bucket.list_versions(run_name, run_name):
         raise RunRefused(
@@ -199,18 +203,30 @@ async def _summarize_run(config: RunConfig, bucket, cluster, result: dict, statu
     to the bucket as summary.json (and curves.png), also when the run stopped or failed."""
     from rl_cluster.plots import curves_png
 
-    stats: dict = {}
-    restarts: dict = {}
-    reports: dict = {}
-    scale_events: list = []
+    # Asked all at once: after `ray job stop`, summary.json must be written within the seconds before
+    # Ray's SIGKILL (RAY_JOB_STOP_WAIT_TIME_S, 3 s by default).
+    stats, restarts, reports, scale_events = {}, {}, {}, []
+    trainer_restarts: int | None = 0
+    proxy_restarts: int | None = 0
     if cluster is not None:
-        if status != "finished" and cluster.trainer is not None:
-            result = await _bounded(cluster.trainer.report.remote(), result)
-        stats = await _bounded(cluster.proxy.stats.remote(), {})
-        restarts = await _bounded(cluster.replica_restarts(), {})
-        reports = await _bounded(cluster.replica_reports(), {})
-        if cluster.pool is not None:
-            scale_events = await _bounded(cluster.pool.scale_events.remote(), [])
+        pool, trainer = cluster.pool, cluster.trainer
+        (
+            result,
+            stats,
+            restarts,
+            reports,
+            scale_events,
+            proxy_restarts,
+            trainer_restarts,
+        ) = await asyncio.gather(
+            _bounded(trainer.report.remote(), result) if status != "finished" and trainer else _now(result),
+            _bounded(cluster.proxy.stats.remote(), {}),
+            _bounded(cluster.replica_restarts(), {}),
+            _bounded(cluster.replica_reports(fresh=status == "finished"), {}),
+            _bounded(pool.scale_events.remote(), []) if pool is not None else _now([]),
+            _bounded(pool.proxy_restarts.remote(), None) if pool is not None else _now(0),
+            asyncio.to_thread(actor_restarts, trainer, "trainer"),
+        )
     summary = summarize(
         result,
         stats,
@@ -224,9 +240,8 @@ async def _summarize_run(config: RunConfig, bucket, cluster, result: dict, statu
         replica_versions={rid: r["versions_loaded"] for rid, r in reports.items()},
     )
     summary["run_name"] = config.run_name
-    trainer, proxy = (cluster.trainer, cluster.proxy) if cluster else (None, None)
-    summary["trainer_restarts"] = await asyncio.to_thread(actor_restarts, trainer, "trainer")
-    summary["proxy_restarts"] = await asyncio.to_thread(actor_restarts, proxy, "proxy")
+    summary["trainer_restarts"] = trainer_restarts
+    summary["proxy_restarts"] = proxy_restarts
     summary["resumed_from_step"] = result.get("resumed_from_step")
     summary["experience"] = result.get("experience")
     bucket.write_text(config.run_name, "summary.json", json.dumps(summary, indent=2))

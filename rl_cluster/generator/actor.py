@@ -245,10 +245,11 @@ class Generator:
         )
         return True
 
-    async def report(self) -> dict:
-        """What the replica did over the run, for the summary: `prefix_cache`, vLLM's counters read now
-        (queries, hits in prompt tokens, hit_rate), and `versions_loaded`, every adapter it loaded."""
-        if self.server is not None and not self._stopping:
+    async def report(self, fresh: bool = True) -> dict:
+        """What the replica did over the run, for the summary: `prefix_cache`, vLLM's counters (queries,
+        hits in prompt tokens, hit_rate; read now when `fresh`, else as last exported, a few seconds ago),
+        and `versions_loaded`, every adapter it loaded."""
+        if fresh and self.server is not None and not self._stopping:
             await self._export_metrics()
         return {"prefix_cache": self.prefix_cache.as_dict(), "versions_loaded": sorted(self.ever_loaded)}
 
