@@ -203,48 +203,42 @@ async def _summarize_run(config: RunConfig, bucket, cluster, result: dict, statu
     to the bucket as summary.json (and curves.png), also when the run stopped or failed."""
     from rl_cluster.plots import curves_png
 
-    # Asked all at once: after `ray job stop`, summary.json must be written within the seconds before
-    # Ray's SIGKILL (RAY_JOB_STOP_WAIT_TIME_S, 3 s by default).
-    stats, restarts, reports, scale_events = {}, {}, {}, []
-    trainer_restarts: int | None = 0
-    proxy_restarts: int | None = 0
+    # After `ray job stop` the driver has seconds before Ray's SIGKILL (RAY_JOB_STOP_WAIT_TIME_S, 3 s by
+    # default): summary.json is written first from the trainer's record and the proxy's stats, then again
+    # with what the other actors add (restarts, scale events, the replicas' own reports).
+    stats: dict = {}
     if cluster is not None:
-        pool, trainer = cluster.pool, cluster.trainer
-        (
-            result,
-            stats,
-            restarts,
-            reports,
-            scale_events,
-            proxy_restarts,
-            trainer_restarts,
-        ) = await asyncio.gather(
-            _bounded(trainer.report.remote(), result) if status != "finished" and trainer else _now(result),
-            _bounded(cluster.proxy.stats.remote(), {}),
-            _bounded(cluster.replica_restarts(), {}),
-            _bounded(cluster.replica_reports(fresh=status == "finished"), {}),
-            _bounded(pool.scale_events.remote(), []) if pool is not None else _now([]),
-            _bounded(pool.proxy_restarts.remote(), None) if pool is not None else _now(0),
-            asyncio.to_thread(actor_restarts, trainer, "trainer"),
-        )
+        if status != "finished" and cluster.trainer is not None:
+            result = await _bounded(cluster.trainer.report.remote(), result)
+        stats = await _bounded(cluster.proxy.stats.remote(), {})
+    placement = cluster.placement if cluster else {}
+    summary = summarize(result, stats, wall_time_s, status=status, error=error, placement=placement)
+    _write_summary(bucket, config, summary, result)
+    if cluster is None:
+        return summary
+    pool, trainer = cluster.pool, cluster.trainer
+    restarts, reports, scale_events, proxy_restarts, trainer_restarts = await asyncio.gather(
+        _bounded(cluster.replica_restarts(), {}),
+        _bounded(cluster.replica_reports(fresh=status == "finished"), {}),
+        _bounded(pool.scale_events.remote(), []) if pool is not None else _now([]),
+        _bounded(pool.proxy_restarts.remote(), None) if pool is not None else _now(0),
+        asyncio.to_thread(actor_restarts, trainer, "trainer"),
+    )
     summary = summarize(
         result,
         stats,
         wall_time_s,
         status=status,
         error=error,
-        placement=cluster.placement if cluster else {},
+        placement=cluster.placement,
         replica_restarts=restarts,
         scale_events=scale_events,
         prefix_cache={rid: r["prefix_cache"] for rid, r in reports.items()},
         replica_versions={rid: r["versions_loaded"] for rid, r in reports.items()},
     )
-    summary["run_name"] = config.run_name
     summary["trainer_restarts"] = trainer_restarts
     summary["proxy_restarts"] = proxy_restarts
-    summary["resumed_from_step"] = result.get("resumed_from_step")
-    summary["experience"] = result.get("experience")
-    bucket.write_text(config.run_name, "summary.json", json.dumps(summary, indent=2))
+    _write_summary(bucket, config, summary, result)
     if cluster is not None and cluster.trainer is not None:
         await _bounded(cluster.trainer.finish.remote(summary), None)
     if result["history"]:
@@ -254,6 +248,13 @@ async def _summarize_run(config: RunConfig, bucket, cluster, result: dict, statu
             curves_png(result["history"], config.run_name, evals=result.get("evals")),
         )
     return summary
+
+
+def _write_summary(bucket, config: RunConfig, summary: dict, result: dict) -> None:
+    summary["run_name"] = config.run_name
+    summary["resumed_from_step"] = result.get("resumed_from_step")
+    summary["experience"] = result.get("experience")
+    bucket.write_text(config.run_name, "summary.json", json.dumps(summary, indent=2))
 
 
 def metrics_exports() -> str:
