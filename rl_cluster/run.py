@@ -115,7 +115,8 @@ async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
     import ray
 
     from rl_cluster.cluster import RunSecrets, check_placeable, connect, launch
-    from rl_cluster.pool import start_pool
+    from rl_cluster.plots import curves_png  # noqa: F401  imported now: matplotlib takes seconds, and
+    from rl_cluster.pool import start_pool  # after `ray job stop` there are 3 (_summarize_run uses it)
 
     if resume:
         check_resumable(bucket, config.run_name)
