@@ -25,7 +25,7 @@ import time
 import uuid
 from pathlib import Path
 
-from conftest import S3_ENV, moto_s3, vllm_pids_with, wait_until_no_vllm_with
+from conftest import S3_ENV, moto_s3, wait_until_no_vllm_with
 
 from rl_cluster.bucket import Bucket
 
@@ -54,43 +54,27 @@ def last_step(log: Path) -> int:
     return int(steps[-1]) if steps else 0
 
 
-def engine_core(marker: str, timeout_s: float = 120) -> int:
-    """The pid of this run's one vLLM engine core process (vLLM titles it `VLLM::EngineCore`)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        engines = []
-        for pid in vllm_pids_with(marker):
-            try:
-                if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"VLLM::EngineCore"):
-                    engines.append(pid)
-            except OSError:
-                continue
-        if len(engines) == 1:
-            return engines[0]
-        time.sleep(0.5)
-    raise AssertionError(f"no single engine core process of the run within {timeout_s:.0f} s")
-
-
-def proxy_actor(marker: str, timeout_s: float = 60) -> int:
-    """The pid of this run's ProxyActor process (Ray titles an actor's worker `ray::<class>`)."""
+def the_runs_process(marker: str, title: bytes, timeout_s: float) -> int:
+    """The pid of the one process of this run (its environment carries `marker`) whose title starts with
+    `title`: vLLM titles its engine core `VLLM::EngineCore`, Ray an actor's worker `ray::<class>`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         found = []
         for pid in map(
-            int,
-            subprocess.run(
-                ["pgrep", "-f", "^ray::ProxyActor"], capture_output=True, text=True
-            ).stdout.split(),
+            int, subprocess.run(["pgrep", "-f", "."], capture_output=True, text=True).stdout.split()
         ):
             try:
-                if marker.encode() in Path(f"/proc/{pid}/environ").read_bytes():
+                if (
+                    Path(f"/proc/{pid}/cmdline").read_bytes().startswith(title)
+                    and marker.encode() in Path(f"/proc/{pid}/environ").read_bytes()
+                ):
                     found.append(pid)
             except OSError:
                 continue
         if len(found) == 1:
             return found[0]
         time.sleep(0.5)
-    raise AssertionError(f"no single ProxyActor process of the run within {timeout_s:.0f} s")
+    raise AssertionError(f"no single {title.decode()} process of the run within {timeout_s:.0f} s")
 
 
 def test_a_run_through_three_engine_kills_and_a_proxy_kill_on_an_s3_bucket(tmp_path, monkeypatch):
@@ -121,7 +105,7 @@ def test_a_run_through_three_engine_kills_and_a_proxy_kill_on_an_s3_bucket(tmp_p
             wait_for(log, rf"step +2/{STEPS}", run, timeout_s=900)
             for kill in range(1, KILLS + 1):
                 before = last_step(log)
-                os.kill(engine_core(marker), signal.SIGKILL)
+                os.kill(the_runs_process(marker, b"VLLM::EngineCore", 120), signal.SIGKILL)
                 wait_for(log, rf"replica g0: .*; restart {kill}/3 in", run, timeout_s=120)
                 wait_for(log, r"replica g0: serving again", run, count=kill, timeout_s=300)
                 # Training went on on the restarted replica: a step after the kill's.
@@ -129,7 +113,7 @@ def test_a_run_through_three_engine_kills_and_a_proxy_kill_on_an_s3_bucket(tmp_p
             # The proxy's process dies: Ray restarts it on the same address, the pool controller hands it
             # the replica and what it holds, and the trainer's calls and requests meanwhile are retried.
             before = last_step(log)
-            os.kill(proxy_actor(marker), signal.SIGKILL)
+            os.kill(the_runs_process(marker, b"ray::ProxyActor", 60), signal.SIGKILL)
             wait_for(log, r"proxy restarted by Ray: serving again on \S+ with \['g0'\]", run, timeout_s=180)
             wait_for(log, rf"step +{before + 1}/{STEPS}", run, timeout_s=300)
             assert last_step(log) < STEPS, "the run ended before its last crash: nothing tested it"
