@@ -253,7 +253,7 @@ async def generate_load(url: str, connections: int, seconds: float, watched: dic
 
 # -- the benchmark -------------------------------------------------------------------------------------
 
-# README, "The MATH recipes": the published run of jobs/configs/qwen25_math_1p5b.toml took 53 minutes on
+# docs/training.md, "The MATH recipes": the published run of jobs/configs/qwen25_math_1p5b.toml took 53 minutes on
 # H200s for its 500 steps.
 SEED_RUN_MINUTES = 53
 
@@ -270,7 +270,7 @@ def seed_request_rate() -> dict:
     return {
         "per_replica_rps": total_rps / replicas,
         "derivation": (
-            f"The seed's rate: the published run (`jobs/configs/qwen25_math_1p5b.toml`, README) made {steps} "
+            f"The seed's rate: the published run (`jobs/configs/qwen25_math_1p5b.toml`, docs/training.md) made {steps} "
             f"steps x {per_step} completions = {steps * per_step:,} requests (one per completion: TRL sends a "
             f"group's samples as separate n=1 requests) in {SEED_RUN_MINUTES} minutes on {replicas} H200 "
             f"generators: {total_rps:.1f} requests/s, {total_rps / replicas:.1f} per replica. That is an "

@@ -1,6 +1,6 @@
 """The run config: one pydantic tree, one TOML file per run, dotted command-line overrides.
 
-Every field carries its documentation (the README's config reference is generated from it). Validators
+Every field carries its documentation (docs/configuration.md is generated from it). Validators
 reject combinations that cannot work; they never copy values between sections, so each value is set in
 exactly one place. This module imports no Ray, vLLM, torch or HTTP library: `--help` and config checks
 are instant.
@@ -482,7 +482,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
 
 
 def config_reference(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted name, default, docstring) for every leaf field: the README's config reference."""
+    """(dotted name, default, docstring) for every leaf field: docs/configuration.md."""
     rows = []
     for name, field in model.model_fields.items():
         annotation = field.annotation

@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from rl_cluster import docs
 from rl_cluster.config import RunConfig, config_reference, load_config, parse_override
 
 REPO = Path(__file__).resolve().parents[2]
@@ -117,10 +118,13 @@ def test_every_field_is_documented():
     assert not undocumented
 
 
-def test_readme_config_reference_is_in_step():
-    readme = (REPO / "README.md").read_text()
+def test_config_reference_is_current():
+    reference = REPO / "docs" / "configuration.md"
+    assert reference == docs.REFERENCE
+    text = reference.read_text()
     for name, _default, _ in config_reference():
-        assert f"`{name}`" in readme, f"README config reference lacks {name}; run `python -m rl_cluster.docs`"
+        assert f"`{name}`" in text, f"{reference} lacks {name}; run `python -m rl_cluster.docs`"
+    assert text == docs.with_reference(text), f"{reference} is out of date; run `python -m rl_cluster.docs`"
 
 
 def test_sections_forbid_unknown_keys():
