@@ -39,6 +39,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rl_cluster.bucket import Bucket
 from rl_cluster.config import RunConfig
 from rl_cluster.core.placement import Request, adds_nodes, refusal, unplaceable
+from rl_cluster.core.replica_history import ACTOR_DIED, NODE_LOST, REMOVED, ReplicaHistory
 from rl_cluster.errors import RunRefused
 from rl_cluster.generator.actor import GeneratorActor
 from rl_cluster.models import hf_environment, secret_environment
@@ -218,7 +219,9 @@ class Cluster:
     _next_index: int = 0
     _slots: dict[str, int] = field(default_factory=dict)
     _starting: set[str] = field(default_factory=set)  # generators whose start() is under way
-    _restarts_seen: dict[str, int] = field(default_factory=dict)  # each one's restarts when last asked
+    restarts_seen: dict[str, int] = field(default_factory=dict)  # each one's restarts when last asked
+    # Where each generator ran and the faults it came through (kept by the pool controller's copy).
+    history: ReplicaHistory = field(default_factory=ReplicaHistory)
 
     async def add_generators(self, count: int) -> list[str]:
         """Grow generation capacity, also during training: each new generator starts its vLLM server and
@@ -238,7 +241,7 @@ class Cluster:
         try:
             await asyncio.gather(*(actor.start.remote(slot, self.proxy) for _, slot, actor in new))
             for replica_id, _, actor in new:
-                self.placement[f"generator {replica_id}"] = await actor.placement.remote()
+                await self._placed(replica_id, actor)
         finally:
             self._starting.difference_update(replica_id for replica_id, _, _ in new)
         return [replica_id for replica_id, _, _ in new]
@@ -259,6 +262,9 @@ class Cluster:
                 print(f"replica {replica_id}: its generator actor is gone for good, it leaves the pool: {e}",
                       flush=True)  # fmt: skip
                 self.generators.pop(replica_id, None)
+                self.history.cause(replica_id, f"{ACTOR_DIED}, not restarted again", opens=True)
+                self.history.ended(replica_id, ACTOR_DIED)
+                self.history.forget(replica_id)
                 with contextlib.suppress(Exception):
                     await self.proxy.remove_replica.remote(replica_id, 0.0)
                 continue
@@ -267,7 +273,9 @@ class Cluster:
             if not condition["started"]:
                 found[replica_id] = "restarted"
                 continue
-            self._restarts_seen[replica_id] = condition["restarts"]
+            if condition["restarts"] > self.restarts_seen.get(replica_id, 0):
+                self.history.cause(replica_id, "vLLM server restarted")
+            self.restarts_seen[replica_id] = condition["restarts"]
             if condition["spent"]:
                 found[replica_id] = "spent"
         return found
@@ -276,20 +284,45 @@ class Cluster:
         """Start a restarted generator actor's vLLM server again; it registers with the proxy anew (which
         replaces the dead server's entry and loads every live version before routing to it)."""
         actor = self.generators[replica_id]
-        earlier = self._restarts_seen.get(replica_id, 0) + 1  # the actor's death is one more restart
-        print(f"replica {replica_id}: its generator actor died and Ray restarted it; starting vLLM again",
-              flush=True)  # fmt: skip
-        self._starting.add(replica_id)
+        self._starting.add(replica_id)  # before any await: the next look (generators_to_mend) leaves it be
         try:
+            self.restarts_seen[replica_id] = earlier = self.restarts_seen.get(replica_id, 0) + 1  # one more
+            why = await asyncio.to_thread(self._why_it_died, replica_id)
+            self.history.cause(replica_id, why, opens=True)
+            self.history.ended(replica_id, why)
+            where = await self._placed(replica_id, actor)  # its new life began where Ray restarted it
+            print(f"replica {replica_id}: {why}; Ray restarted its generator actor on {where['address']}; "
+                  "starting vLLM again", flush=True)  # fmt: skip
             await actor.start.remote(self._slots[replica_id], self.proxy, earlier_restarts=earlier)
-            self.placement[f"generator {replica_id}"] = await actor.placement.remote()
         finally:
             self._starting.discard(replica_id)
         print(f"replica {replica_id}: serving again after its actor's restart", flush=True)
 
-    async def remove_generator(self, replica_id: str) -> None:
+    async def _placed(self, replica_id: str, actor) -> dict:
+        where = await actor.placement.remote()
+        self.placement[f"generator {replica_id}"] = where
+        self.history.placed(replica_id, where)
+        return where
+
+    def _why_it_died(self, replica_id: str) -> str:
+        """NODE_LOST when the node its last life ran on is dead in Ray's node table (with Ray's reason),
+        else ACTOR_DIED (its process died; the node is still there)."""
+        stint = self.history.current(replica_id)
+        if stint is None:
+            return ACTOR_DIED
+        for node in ray.nodes():
+            if node["NodeID"] == stint.node_id and not node["Alive"]:
+                reason = node.get("DeathReasonMessage") or ""
+                return (
+                    f"{NODE_LOST} ({stint.address}: {reason})" if reason else f"{NODE_LOST} ({stint.address})"
+                )
+        return ACTOR_DIED
+
+    async def remove_generator(self, replica_id: str, why: str = REMOVED) -> None:
         """Shrink: the generator leaves the proxy (no new requests; in-flight ones finish), then stops."""
         actor = self.generators.pop(replica_id)
+        self.history.ended(replica_id, why)
+        self.history.forget(replica_id)
         try:
             await actor.shutdown.remote()
         finally:
@@ -297,23 +330,28 @@ class Cluster:
 
     async def _sync_from_pool(self, stop: bool = False) -> None:
         """Once the pool controller runs, its copy of this Cluster is the one whose generators change:
-        take its generator set and placement (and with `stop`, stop it deciding first)."""
+        take its generator set, placement, history and restart counts (and with `stop`, stop it deciding
+        first)."""
         if self.pool is None:
             return
         call = self.pool.stop.remote() if stop else self.pool.members.remote()
         with contextlib.suppress(Exception):
-            self.generators, placement = await asyncio.wait_for(call, 30)
-            self.placement.update(placement)
+            members = await asyncio.wait_for(call, 30)
+            self.generators, self.history = members["generators"], members["history"]
+            self.placement.update(members["placement"])
+            self.restarts_seen.update(members["restarts_seen"])
 
     async def replica_restarts(self) -> dict[str, int]:
-        """Restarts of each replica's vLLM server so far (a generator that does not answer counts None)."""
+        """Restarts of each replica so far: its vLLM server's and its actor's. A generator that does not
+        answer counts what the pool controller last saw of it."""
         await self._sync_from_pool()
         counts = await asyncio.gather(
             *(asyncio.wait_for(g.restart_count.remote(), 10) for g in self.generators.values()),
             return_exceptions=True,
         )
         return {
-            rid: n if isinstance(n, int) else None for rid, n in zip(self.generators, counts, strict=True)
+            rid: n if isinstance(n, int) else self.restarts_seen.get(rid, 0)
+            for rid, n in zip(self.generators, counts, strict=True)
         }
 
     async def replica_reports(self, fresh: bool = True) -> dict[str, dict]:
@@ -352,6 +390,15 @@ class Cluster:
             if actor is not None:
                 with contextlib.suppress(Exception):
                     ray.kill(actor)
+
+
+def draining_nodes() -> dict[str, float | None]:
+    """Node id -> its drain's deadline (Unix time; None: none given) for every node Ray is draining: `ray
+    drain-node`, or an autoscaler that got a spot termination notice. Ray has no public API for it; this
+    reads it the way Ray Serve and Ray Data do (`ray._private.state`)."""
+    from ray._private.state import state
+
+    return {node: ms / 1000 if ms else None for node, ms in state.get_draining_nodes().items()}
 
 
 def generator_actor(cluster: Cluster, replica_id: str):

@@ -11,6 +11,11 @@ routed), asks the policy (rl_cluster.core.scaling) what to do, and does it with 
 - **shrink**: drain in the proxy (no new requests; in-flight ones finish, bounded by
   `generator.drain_timeout_s`), then `Cluster.remove_generator` (it leaves the proxy, its vLLM stops, the
   actor is killed); the autoscaler removes the node once it idles.
+- **replace**: a replica whose node Ray is draining (`ray drain-node`, the autoscaler's answer to a spot
+  termination notice) is shrunk before the drain's deadline and a new generator is started at once; Ray
+  places nothing new on a draining node, so it lands elsewhere (or on a node the autoscaler adds).
+- **mend**: a generator actor Ray restarted (its process died, its node was lost) gets its vLLM started
+  again (`Cluster.revive`); every spell out of routing is recorded (rl_cluster.core.replica_history).
 
 It lives on the driver's node: an actor on a generator node would keep that node busy, and the
 autoscaler could never take it away. Operators reach it by name (`jobs/scale.py --run RUN --replicas N`,
@@ -31,7 +36,9 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from rl_cluster.cluster import draining_nodes
 from rl_cluster.config import GeneratorConfig
+from rl_cluster.core.replica_history import NODE_DRAINED, REMOVED
 from rl_cluster.core.scaling import (
     Decision,
     PoolSnapshot,
@@ -47,6 +54,9 @@ logger = logging.getLogger(__name__)
 # registered under a fixed one that `jobs/scale.py` (another driver) can look in.
 NAMESPACE = "rl_cluster"
 FIRST_REQUEST_POLL_S = 0.25
+# A drained replica's requests must be done this long before its node's deadline (its vLLM must stop
+# and leave the proxy while the node is still there).
+DRAIN_MARGIN_S = 10.0
 # Proxy states of a replica on its way in (registered, loading the live versions) and of one that is out
 # for now but comes back by itself (its server is being restarted).
 ARRIVING = ("joining", "catching_up")
@@ -124,11 +134,14 @@ class PoolController:
     async def scale_events(self) -> list[dict]:
         return [event.as_dict() for event in self.events]
 
-    async def members(self) -> tuple[dict, dict]:
-        """(replica id -> generator actor, placement): what the driver reports and shuts down."""
-        return dict(self.cluster.generators), dict(self.cluster.placement)
+    async def members(self) -> dict:
+        """What the driver reports and shuts down: `generators` (replica id -> actor), `placement`,
+        `history` (rl_cluster.core.replica_history.ReplicaHistory), `restarts_seen` (replica -> count)."""
+        c = self.cluster
+        return {"generators": dict(c.generators), "placement": dict(c.placement), "history": c.history,
+                "restarts_seen": dict(c.restarts_seen)}  # fmt: skip
 
-    async def stop(self) -> tuple[dict, dict]:
+    async def stop(self) -> dict:
         """Stop deciding; give up generators still waiting to start (pending actors would keep the
         autoscaler adding nodes); return members() for the driver's shutdown."""
         for task in (self._loop, self._watch):
@@ -146,11 +159,14 @@ class PoolController:
             if self._watch is None or self._watch.done():
                 self._watch = asyncio.get_running_loop().create_task(self._mend())
             try:
+                asked = time.time()  # a call to a dead proxy waits here until Ray restarted it
                 if await self.cluster.proxy.awaiting_restore.remote():
                     # Ray restarted the proxy (its process died): only this actor knows the generators.
                     async with self._growing:  # not while an add registers a generator with it
                         await self.cluster.restore_proxy()
                     self.proxy_restores += 1
+                    self.cluster.history.record("proxy", "proxy restarted by Ray", asked, time.time() - asked)
+                await self._evacuate_draining()
                 await self.step()
             except Exception:
                 logger.exception("pool controller step failed")
@@ -175,6 +191,38 @@ class PoolController:
                 print(f"pool: {rid} spent its restart budget; it leaves the pool", flush=True)
                 self._leave(rid)
 
+    async def _evacuate_draining(self) -> None:
+        """Replicas on a node Ray is draining leave it before its deadline, each replaced at once."""
+        draining = await asyncio.to_thread(draining_nodes)
+        for rid in list(self.cluster.generators):
+            stint = self.cluster.history.current(rid)
+            if stint is not None and stint.node_id in draining and rid not in self._leaving:
+                self._leaving.add(rid)
+                self._spawn(self._replace(rid, stint.address, draining[stint.node_id]))
+
+    async def _replace(self, rid: str, address: str, deadline: float | None) -> None:
+        """Start a replacement and drain `rid` at once (its in-flight requests finish, bounded so that it
+        stops DRAIN_MARGIN_S before the deadline); the fault is recorded with the replacement's start."""
+        now, decided = time.time(), time.monotonic()
+        left = None if deadline is None else deadline - now
+        budget = (
+            self.g.drain_timeout_s
+            if left is None
+            else max(0.0, min(self.g.drain_timeout_s, left - DRAIN_MARGIN_S))
+        )
+        size = len(self.cluster.generators) - len(self._leaving) + 1
+        notice = f"its node {address} is draining" + (
+            f" (deadline in {left:.0f} s)" if left is not None else ""
+        )
+        event = ScaleEvent(now, size, size, f"{rid} replaced: {notice}", replicas=[rid])
+        self.events.append(event)
+        print(f"pool: {rid} leaves: {notice}; a replacement starts now", flush=True)
+        fault = self.cluster.history.record(rid, f"{NODE_DRAINED} ({address})", now, None)
+        await asyncio.gather(
+            self._grow(1, event, decided), self._shrink(rid, event, decided, budget, NODE_DRAINED)
+        )
+        fault.recovered_s = event.ready_s
+
     def _leave(self, rid: str) -> None:
         self._leaving.add(rid)
         self._spawn(self._retire(rid))
@@ -196,7 +244,10 @@ class PoolController:
 
     async def step(self) -> Decision | None:
         stats = await self.cluster.proxy.stats.remote()
-        snap, _ = self._snapshot(stats, time.monotonic())
+        snap, by_state = self._snapshot(stats, time.monotonic())
+        if stats.get("serving", True):  # a proxy awaiting its restore knows no replica yet
+            for rid in (*by_state["serving"], *by_state["starting"], *by_state["unavailable"]):
+                self.cluster.history.observe(rid, serving=rid in snap.serving)
         decision = self.policy.observe(snap)
         if decision is not None:
             self._apply(decision, snap.size)
@@ -283,11 +334,13 @@ class PoolController:
         with contextlib.suppress(Exception):
             await self.cluster.proxy.remove_replica.remote(rid, 0.0)
 
-    async def _shrink(self, rid: str, event: ScaleEvent, decided: float) -> None:
+    async def _shrink(self, rid: str, event: ScaleEvent, decided: float, timeout_s: float | None = None,
+                      why: str = REMOVED) -> None:  # fmt: skip
         try:
-            drained = await self.cluster.proxy.drain_replica.remote(rid, self.g.drain_timeout_s)
+            timeout_s = self.g.drain_timeout_s if timeout_s is None else timeout_s
+            drained = await self.cluster.proxy.drain_replica.remote(rid, timeout_s)
             # It left routing and nothing is in flight (or the drain timed out): leave the proxy, stop.
-            await self.cluster.remove_generator(rid)
+            await self.cluster.remove_generator(rid, why)
             event.drain[rid] = {
                 "in_flight_at_start": drained["in_flight_at_start"],
                 "in_flight_left": drained["in_flight_left"],

@@ -239,6 +239,9 @@ async def _summarize_run(config: RunConfig, bucket, cluster, result: dict, statu
     )
     summary["trainer_restarts"] = trainer_restarts
     summary["proxy_restarts"] = proxy_restarts
+    # The pool controller's record (the syncs above fetched it): where each replica ran, what it came through.
+    summary["placement_history"] = cluster.history.placement_history()
+    summary["faults"] = cluster.history.fault_list()
     _write_summary(bucket, config, summary, result)
     if cluster is not None and cluster.trainer is not None:
         await _bounded(cluster.trainer.finish.remote(summary), None)

@@ -213,9 +213,18 @@ def summary_table(summary: dict) -> str:
     for actor in ("trainer", "proxy"):  # Ray restarted the actor after its process died
         if summary.get(f"{actor}_restarts"):
             rows.append((f"{actor} restarts", summary[f"{actor}_restarts"]))
+    for fault in summary.get("faults", []):
+        back = (
+            f"serving again after {fault['recovered_s']:.0f} s"
+            if fault["recovered_s"] is not None
+            else "never back"
+        )
+        rows.append((f"fault, {fault['who']}", f"{fault['what']}; {back}"))
     for event in summary.get("scale_events", []):
         rows.append(("pool scaled", f"{event['from']} -> {event['to']}: {event['reason']}"))
     for actor, where in summary.get("placement", {}).items():
-        rows.append((f"{actor} on", where["address"]))
+        earlier = summary.get("placement_history", {}).get(actor.removeprefix("generator "), [])[:-1]
+        before = f" (before: {', '.join(s['address'] for s in earlier)})" if earlier else ""
+        rows.append((f"{actor} on", where["address"] + before))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

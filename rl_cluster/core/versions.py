@@ -44,12 +44,13 @@ class VersionBook:
 
     # -- replicas -------------------------------------------------------------------------------------
 
-    def add_replica(self, replica_id: str) -> None:
+    def add_replica(self, replica_id: str, ever_loaded: set[str] = frozenset()) -> None:
+        """`ever_loaded`: what an earlier life of the replica loaded (its server was replaced)."""
         if replica_id in self._state:
             raise ValueError(f"replica {replica_id!r} is already registered")
         self._set_state(replica_id, ReplicaState.JOINING)
         self._loaded[replica_id] = set()
-        self._ever_loaded[replica_id] = set()
+        self._ever_loaded[replica_id] = set(ever_loaded)
 
     def activate(self, replica_id: str) -> None:
         """The replica caught up: it must hold every routable adapter before it may take traffic."""

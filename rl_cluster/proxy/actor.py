@@ -103,7 +103,8 @@ class ProxyActor:
         return node_placement()
 
     async def stats(self) -> dict:
-        return self._server.stats()
+        """ProxyServer.stats, and `serving` (False: Ray restarted this proxy and it awaits its restore)."""
+        return {**self._server.stats(), "serving": self.serving}
 
     async def stop(self) -> None:
         if self._exporter is not None:

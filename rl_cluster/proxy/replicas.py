@@ -131,11 +131,14 @@ class ReplicaPool:
         if capacity is None:
             self.spawn(learn_capacity(self.session, replica))
         async with self._adapter_lock:
-            if replica_id in self.replicas:
-                # Its generator actor died and Ray restarted it: a new server, maybe on another node.
+            earlier: set[str] = set()
+            if (old := self.replicas.get(replica_id)) is not None:
+                # Its generator actor died and Ray restarted it: a new server, maybe on another node. The
+                # replica's record (requests routed, versions ever loaded) goes on across its lives.
                 logger.warning("replica %s registers again at %s: it replaces the old one", replica_id, url)
+                earlier, replica.requests = self.book.ever_loaded_on(replica_id), old.requests
                 self._forget(replica_id)
-            self.book.add_replica(replica_id)
+            self.book.add_replica(replica_id, ever_loaded=earlier)
             self.replicas[replica_id] = replica
             self.base_models = base
             try:

@@ -46,11 +46,14 @@ class NamespaceCluster:
 
     def __init__(self, prefix: str, subnet: str, nodes: dict[str, dict], env: dict[str, str] | None = None,
                  num_cpus: int = 1, head_args: list[str] = (), host_address: bool = False,
-                 node_env: dict[str, dict[str, str]] | None = None):  # fmt: skip
+                 node_env: dict[str, dict[str, str]] | None = None, later: tuple[str, ...] = ()):  # fmt: skip
         """`head_args`: more `ray start --head` flags (e.g. --autoscaling-config). `host_address`: give the
         bridge `<subnet>.254`, so this process (outside every namespace) reaches the nodes' servers.
-        `node_env`: more environment for one node's Ray (what a pod spec's env or a node's profile sets)."""
+        `node_env`: more environment for one node's Ray (what a pod spec's env or a node's profile sets).
+        `later`: nodes whose namespace is made but whose Ray starts only at `join` (a node added mid-run)."""
         self.node_env = node_env or {}
+        self.later = set(later)
+        self.up: set[str] = set()  # nodes whose Ray was started and not lost
         self.tag = uuid.uuid4().hex[:4]
         self.prefix = f"{prefix}{self.tag}"
         self.subnet = subnet
@@ -152,9 +155,10 @@ class NamespaceCluster:
         """What `node`'s Ray sees as /tmp/ray (its sessions, logs, unpacked working directories)."""
         return self.ray_root / node
 
-    def _start_ray(self) -> None:
+    def _start_ray(self, nodes: list[str]) -> None:
         head = self.head_address
-        for node, resources in self.nodes.items():
+        for node in nodes:
+            resources = self.nodes[node]
             common = [f"--node-ip-address={self.addresses[node]}", f"--num-cpus={self.num_cpus}",
                       f"--resources={json.dumps(resources)}", "--disable-usage-stats",
                       f"--metrics-export-port={METRICS_PORT}"]  # fmt: skip
@@ -176,6 +180,25 @@ class NamespaceCluster:
             # The bind mount lives in this `ip netns exec`'s mount namespace, which Ray's daemons inherit.
             script = f"mount --bind {private} /tmp/ray && exec {' '.join(map(shlex.quote, cmd))}"
             self.run(node, ["sh", "-c", script], timeout=180, env=self.node_env.get(node))
+            self.up.add(node)
+
+    def join(self, node: str) -> None:
+        """Start a `later` node's Ray: it joins the cluster (as a node an operator or autoscaler adds)."""
+        self._start_ray([node])
+        self.wait_for_nodes()
+
+    def lose(self, node: str) -> list[int]:
+        """The node vanishes, as a preempted spot machine does: every process in its namespace is
+        SIGKILLed at once (its raylet, its workers, the vLLM servers they started). Returns their pids."""
+        pids = self.pids()[node]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while self.pids()[node] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self.up.discard(node)
+        return pids
 
     def wait_for_nodes(self, timeout_s: float = 180) -> None:
         # Through the dashboard: a driver here would look for the head's sockets in a /tmp/ray it cannot see.
@@ -184,10 +207,10 @@ class NamespaceCluster:
         deadline = time.monotonic() + timeout_s
         while True:
             alive = self.run(self.head, ["python", "-c", code, self.dashboard], check=False)
-            if alive.returncode == 0 and alive.stdout.strip().splitlines()[-1] == str(len(self.nodes)):
+            if alive.returncode == 0 and alive.stdout.strip().splitlines()[-1] == str(len(self.up)):
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"only {alive.stdout.strip()} of {len(self.nodes)} Ray nodes alive")
+                raise TimeoutError(f"only {alive.stdout.strip()} of {len(self.up)} Ray nodes alive")
             time.sleep(2)
 
     def pids(self) -> dict[str, list[int]]:
@@ -229,7 +252,7 @@ class NamespaceCluster:
     def start(self) -> NamespaceCluster:
         try:
             self._create_network()
-            self._start_ray()
+            self._start_ray([node for node in self.nodes if node not in self.later])
             self.wait_for_nodes()
         except BaseException:
             self.close()
@@ -252,7 +275,8 @@ class NamespaceCluster:
                 RAY_ADDRESS_FILE.unlink()
         except OSError:
             pass
-        if not survivors:  # a survivor may still write there; leave it for the report
+        # A survivor may still write there: leave it for the report (and RLC_KEEP_RAY_DIRS keeps it to read).
+        if not survivors and not os.environ.get("RLC_KEEP_RAY_DIRS"):
             shutil.rmtree(self.ray_root, ignore_errors=True)
         return survivors
 

@@ -422,6 +422,7 @@ async def test_a_generator_actor_that_dies_is_restarted_and_serves_again(cluster
         load = Load(http, served, workers=1, max_tokens=8, pause_s=0.2)
         try:
             await wait_for(f"{rid} to serve", lambda: _served_any(load, rid), 60)
+            routed_before = (await replicas(http, served))["replicas"][rid]["requests"]
             os.kill(actor.pid, signal.SIGKILL)  # a process of this test's namespace cluster
             killed = time.monotonic()
             await wait_for(
@@ -437,6 +438,9 @@ async def test_a_generator_actor_that_dies_is_restarted_and_serves_again(cluster
         assert not load.failures(), load.failures()[:5]  # they waited for it, then were served
         pool = (await replicas(http, served))["replicas"]
         assert list(pool) == [rid] and set(served.versions) <= set(pool[rid]["adapters_loaded"]), pool
+        # One replica across its lives: the proxy kept its count, and the log says what happened where.
+        assert pool[rid]["requests"] > routed_before, (pool[rid], routed_before)
+        assert f"replica {rid}: actor died; Ray restarted its generator actor on " in served.log.read_text()
         [restarted] = await asyncio.to_thread(
             list_actors, address=cluster.dashboard, filters=alive, detail=True
         )

@@ -1,7 +1,10 @@
 """The system on a cluster whose nodes have their own addresses: a head (driver + proxy), a `trainer` node
 and two `generator` nodes, each a network namespace with its own loopback (tests/cluster/netns.py).
 The shortened demo goes in with `ray job submit`, as users launch it, with the base model given as a hub
-id resolved offline from a Hugging Face cache; a second run is ended with `ray job stop`.
+id resolved offline from a Hugging Face cache. A second run goes through what a cloud does to generator
+nodes, then is ended with `ray job stop`: a node is lost at once (every process SIGKILLed, as a preempted
+spot machine), and another gets a preemption notice (Ray's drain, with a deadline); spare nodes join for
+their replicas.
 
 While the first run trains, the test looks at it from another node, as an attacker on the network
 would: each vLLM replica refuses every route without the run's key, and the proxy's control routes
@@ -30,7 +33,9 @@ from rl_cluster.experience import load_experience
 pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]
-NODES = {"head": {}, "trainer": {"trainer": 1}, "gen0": {"generator": 1}, "gen1": {"generator": 1}}
+NODES = {"head": {}, "trainer": {"trainer": 1}, "gen0": {"generator": 1}, "gen1": {"generator": 1},
+         "spare": {"generator": 1}, "spare2": {"generator": 1}}  # fmt: skip
+SPARE = ("spare", "spare2")  # they join mid-run, in the faults of the stopped run
 HUB_ID = "local/tiny-qwen2"
 # In the head's environment only, as a pod spec's secret would put them: the driver inherits them and hands
 # them to the actors; no Ray view of the job may show them.
@@ -40,7 +45,7 @@ TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 @pytest.fixture(scope="module")
 def cluster():
-    ns = NamespaceCluster("rlc", "10.231.7", NODES, node_env={"head": HEAD_SECRETS})
+    ns = NamespaceCluster("rlc", "10.231.7", NODES, node_env={"head": HEAD_SECRETS}, later=SPARE)
     ns.start()
     try:
         yield ns
@@ -91,8 +96,11 @@ def wait_for_log(cluster, job_id: str, pattern: str, timeout_s: float) -> re.Mat
         if job_status(cluster, job_id) in TERMINAL:
             break
         time.sleep(3)
+    logs = job_logs(cluster, job_id)
+    kept = cluster.ray_dir(cluster.head) / f"{job_id}.log"  # the whole log, beside the head's Ray logs
+    kept.write_text(logs)
     raise AssertionError(
-        f"{pattern!r} never appeared in the job's logs:\n{job_logs(cluster, job_id)[-5000:]}"
+        f"{pattern!r} never appeared in the job's logs (all of them: {kept}):\n{logs[-5000:]}"
     )
 
 
@@ -169,7 +177,7 @@ def run_metrics(cluster: NamespaceCluster, run: str) -> dict[str, dict[str, floa
     """Every rl_cluster sample of `run` in the nodes' Ray metrics exports: sample name -> node -> value
     (summed over label sets)."""
     found: dict[str, dict[str, float]] = {}
-    for node in cluster.nodes:
+    for node in sorted(cluster.up):  # a node not joined (or lost) exports nothing
         for family in text_string_to_metric_families(cluster.ray_metrics(node)):
             for sample in family.samples:
                 if sample.name.startswith("ray_rl_") and sample.labels.get("run") == run:
@@ -361,19 +369,100 @@ def test_ray_job_submit_across_four_nodes(cluster, hub_env, tmp_path):
     assert not cluster.vllm_pids()
 
 
-def test_ray_job_stop_ends_the_run_cleanly(cluster, hub_env, tmp_path):
+NODE_ID = """
+import sys
+from ray.util.state import list_nodes
+print(next(n.node_id for n in list_nodes(address=sys.argv[1]) if n.node_ip == sys.argv[2] and n.state == "ALIVE"))
+"""
+
+
+def drain_node(cluster: NamespaceCluster, node: str, deadline_s: int) -> None:
+    """What an autoscaler does on a spot termination notice: Ray's drain of `node`, with a deadline."""
+    node_id = cluster.run("head", ["python", "-c", NODE_ID, cluster.dashboard, cluster.addresses[node]])
+    cluster.run("head", ["ray", "drain-node", "--address", f"{cluster.head_address}:6379", "--node-id",
+                         node_id.stdout.strip(), "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message",
+                         "spot termination notice", f"--deadline-remaining-seconds={deadline_s}"])  # fmt: skip
+
+
+def test_a_run_through_a_lost_node_and_a_preemption_notice_ends_cleanly_with_ray_job_stop(
+    cluster, hub_env, tmp_path
+):
+    """(a) g1's node is lost (every process SIGKILLed at once): Ray restarts its actor on a spare node that
+    joined, the pool controller starts its vLLM there, it catches up and serves. (b) g0's node gets a
+    preemption notice (Ray's drain, with a deadline): g0 finishes what it has in flight and leaves, and a
+    replacement starts at once on another spare; the node goes at its deadline. No request fails. Then
+    `ray job stop` ends the run with its summary written and nothing left running."""
     bucket, run = tmp_path / "bucket", "mn-stopped"
     submit(cluster, "rlc-stop", hub_env, [f"run_name={run}", f"bucket.uri={bucket}", f"model.path={HUB_ID}",
                                           "trainer.max_steps=1000"])  # fmt: skip
+    at = {
+        g: wait_for_log(cluster, "rlc-stop", rf"generator {g} +on (\S+)", 900).group(1) for g in ("g0", "g1")
+    }
+    node_of = {g: next(n for n, a in cluster.addresses.items() if a == at[g]) for g in at}
     wait_for_log(cluster, "rlc-stop", r"step +3/1000", 900)
+
+    # (a) a lost node
+    cluster.join("spare")
+    lost_at = time.monotonic()
+    assert cluster.lose(node_of["g1"])
+    moved = wait_for_log(cluster, "rlc-stop", r"replica g1: node lost \((\S+?)[:)].*?; Ray restarted its "
+                                              r"generator actor on (\S+);", 300)  # fmt: skip
+    assert moved.group(1, 2) == (at["g1"], cluster.addresses["spare"]), moved.group(0)
+    wait_for_log(cluster, "rlc-stop", r"replica g1: serving again after its actor's restart", 600)
+    node_lost_s = time.monotonic() - lost_at
+
+    # (b) a preemption notice
+    cluster.join("spare2")
+    drain_node(cluster, node_of["g0"], deadline_s=120)
+    noticed = time.monotonic()
+    wait_for_log(cluster, "rlc-stop", rf"pool: g0 leaves: its node {at['g0']} is draining \(deadline in", 60)
+    wait_for_log(cluster, "rlc-stop", r"pool: g0 drained in .* and stopped", 150)
+    wait_for_log(cluster, "rlc-stop", r"pool: \['g2'\] caught up and active", 300)
+    replaced_s = time.monotonic() - noticed
+    cluster.lose(node_of["g0"])  # its deadline: the machine goes (Ray let it go once it was empty)
+    steps_then = len(re.findall(r"step +\d+/1000", job_logs(cluster, "rlc-stop")))
+    wait_for_log(cluster, "rlc-stop", rf"step +{steps_then + 2}/1000", 300)  # training went on
+    print(f"\nnode lost -> g1 serving on a spare node: {node_lost_s:.0f} s; preemption notice -> g0 drained "
+          f"and g2 serving on another: {replaced_s:.0f} s")  # fmt: skip
+
     cluster.run("head", ["ray", "job", "stop", "--address", cluster.dashboard, "rlc-stop"], timeout=120)
     assert wait_terminal(cluster, "rlc-stop", 120) == "STOPPED"
-
     summary = json.loads((bucket / run / "summary.json").read_text())
     assert summary["status"] == "stopped"
     assert 3 <= summary["steps"] < 1000
-    assert set(summary["placement"]) == {"proxy", "trainer", "generator g0", "generator g1"}
     assert len(summary["versions_published"]) >= 3
+    assert summary["groups"]["failed"] == 0, summary["groups"]  # no request failed for good
+    assert set(summary["placement"]) == {"proxy", "trainer", "generator g0", "generator g1", "generator g2"}
+    where = {g: summary["placement"][f"generator {g}"]["address"] for g in ("g1", "g2")}
+    assert where == {"g1": cluster.addresses["spare"], "g2": cluster.addresses["spare2"]}, where
+    # Each replica's places, and what ended each.
+    history = {g: [(s["address"], s["ended_by"] and s["ended_by"].split(" (")[0]) for s in lives]
+               for g, lives in summary["placement_history"].items()}  # fmt: skip
+    assert history == {"g0": [(at["g0"], "node drained")],
+                       "g1": [(at["g1"], "node lost"), (cluster.addresses["spare"], None)],
+                       "g2": [(cluster.addresses["spare2"], None)]}, history  # fmt: skip
+    assert summary["replica_restarts"] == {"g1": 1, "g2": 0}, summary["replica_restarts"]
+    # The faults, each with the seconds until the replica (or its replacement) served again.
+    faults = {f["who"]: f for f in summary["faults"]}
+    assert set(faults) == {"g0", "g1"} and len(summary["faults"]) == 2, summary["faults"]
+    assert faults["g1"]["what"].startswith(f"node lost ({at['g1']}: ") and faults["g1"]["recovered_s"] > 0
+    assert faults["g0"]["what"] == f"node drained ({at['g0']})" and faults["g0"]["recovered_s"] > 0
+    # The drain: g0 finished what it had in flight before it stopped, and g2 took its place.
+    (event,) = summary["scale_events"]
+    assert event["replicas"] == ["g0", "g2"] and event["reason"].startswith("g0 replaced: its node"), event
+    assert event["drain"]["g0"]["in_flight_left"] == 0 and event["error"] is None, event
+    # One replica across its lives: g1 kept the requests and versions of its first life.
+    assert summary["requests"]["g1"] > 0 and summary["requests"]["g2"] > 0, summary["requests"]
+    assert f"{run}-v1" in summary["versions_loaded"]["g1"], summary["versions_loaded"]["g1"]
+    assert summary["versions_published"][-1] in summary["versions_loaded"]["g1"]
+    # The summary table (the stopped driver had no time to print it; `rl-cluster summary` does).
+    table = subprocess.run([sys.executable, "-m", "rl_cluster.cli", "summary", run, "--bucket", str(bucket)],
+                           capture_output=True, text=True, cwd=REPO, timeout=120)  # fmt: skip
+    assert table.returncode == 0, table.stderr
+    rows = [" ".join(line.split()) for line in table.stdout.splitlines()]
+    assert f"generator g1 on {where['g1']} (before: {at['g1']})" in rows, table.stdout
+    assert any(r.startswith("fault, g1 node lost") for r in rows), table.stdout
+    assert any(r.startswith("fault, g0 node drained") for r in rows), table.stdout
 
     deadline = time.monotonic() + 60
     while cluster.vllm_pids() and time.monotonic() < deadline:
