@@ -88,6 +88,9 @@ class PoolController:
         self.policy = ScalingPolicy(rules_for(self.g))
         self.events: list[ScaleEvent] = []
         self._leaving: set[str] = set()
+        # Replicas leaving a draining node whose replacement is on its way: the policy counts them as
+        # starting, or it would see a hole and add a second replacement.
+        self._replacing: set[str] = set()
         self._growing = asyncio.Lock()  # one add at a time: the actors it creates are then known
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.Task | None = None
@@ -198,6 +201,7 @@ class PoolController:
             stint = self.cluster.history.current(rid)
             if stint is not None and stint.node_id in draining and rid not in self._leaving:
                 self._leaving.add(rid)
+                self._replacing.add(rid)
                 self._spawn(self._replace(rid, stint.address, draining[stint.node_id]))
 
     async def _replace(self, rid: str, address: str, deadline: float | None) -> None:
@@ -218,9 +222,12 @@ class PoolController:
         self.events.append(event)
         print(f"pool: {rid} leaves: {notice}; a replacement starts now", flush=True)
         fault = self.cluster.history.record(rid, f"{NODE_DRAINED} ({address})", now, None)
-        await asyncio.gather(
-            self._grow(1, event, decided), self._shrink(rid, event, decided, budget, NODE_DRAINED)
-        )
+        try:
+            await asyncio.gather(
+                self._grow(1, event, decided), self._shrink(rid, event, decided, budget, NODE_DRAINED)
+            )
+        finally:
+            self._replacing.discard(rid)
         fault.recovered_s = event.ready_s
 
     def _leave(self, rid: str) -> None:
@@ -269,7 +276,9 @@ class PoolController:
                 out.append(rid)
             elif state is None or state in ARRIVING:
                 starting.append(rid)  # waiting for a node, starting vLLM, or catching up
-        snap = PoolSnapshot(now, serving, starting=len(starting), unavailable=len(out),
+        # Replacements of drained replicas, counted before their actors exist (and while they start).
+        replacing = len(self._replacing)
+        snap = PoolSnapshot(now, serving, starting=len(starting) + replacing, unavailable=len(out),
                             queued=stats.get("queued", 0))  # fmt: skip
         by_state = {"serving": list(serving), "starting": starting, "unavailable": out, "leaving": leaving}
         return snap, by_state

@@ -69,7 +69,8 @@ class AdapterBroadcasts:
                 if not e.all_down or time.monotonic() >= deadline:
                     raise
                 logger.warning("every replica was down while loading %s: waiting for one to return", name)
-        routable_on = [r for r in targets if name in self.book.loaded_on(r)]
+        # A target may have left meanwhile (a drained replica's generator stops during the load).
+        routable_on = [r for r in targets if r in self.replicas and name in self.book.loaded_on(r)]
         logger.info("adapter %s routable on %s", name, routable_on)
         return routable_on
 
