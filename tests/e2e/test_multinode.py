@@ -496,6 +496,14 @@ def alive(pid: int) -> bool:
         return False
 
 
+def wait_for_file(path: Path, timeout_s: float) -> None:
+    """Finely: a run's checkpoint is committed by its manifest, and a test may have to act at once."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout_s:.0f} s"
+        time.sleep(0.2)
+
+
 def adapter_tensors(path: Path) -> dict:
     from safetensors.torch import load_file
 
@@ -511,7 +519,10 @@ def test_a_killed_trainer_and_a_killed_driver_resume(cluster, hub_env, tmp_path)
     keep = [f"bucket.uri={bucket}", f"model.path={HUB_ID}", "trainer.checkpoint_every=4",
             "trainer.keep_checkpoints=20", "bucket.keep_every=1"]  # fmt: skip
     submit(cluster, "rlc-res-a", hub_env, [f"run_name={run}", "trainer.max_steps=16", *keep])
-    wait_for_log(cluster, "rlc-res-a", r"checkpoint step 8 published", 900)
+    # Killed as soon as checkpoint 8 is committed (its manifest): polling the job's log took seconds a
+    # round, and a fast trainer had finished all 16 steps before the kill landed (then its restart
+    # resumes at max_steps and trains nothing, which is right, but not this test).
+    wait_for_file(bucket / run / "checkpoints" / "step-8" / "manifest.json", 900)
     (trainer_pid,) = pids_running(cluster, "trainer", b"ray::Trainer")
     rollout_children = [p for p in cluster.pids()["trainer"] if parent_pid(p) == trainer_pid]
     assert rollout_children  # TRL's rollout worker, a spawned process of the trainer
@@ -545,7 +556,7 @@ def test_a_killed_trainer_and_a_killed_driver_resume(cluster, hub_env, tmp_path)
 
     # (b) continue the finished run to 28 steps; kill that job's driver midway.
     submit(cluster, "rlc-res-b", hub_env, ["--resume", run, "trainer.max_steps=28", *keep])
-    wait_for_log(cluster, "rlc-res-b", r"checkpoint step 20 published", 900)
+    wait_for_file(bucket / run / "checkpoints" / "step-20" / "manifest.json", 900)
     drivers = pids_running(cluster, "head", b"--resume " + run.encode())  # the entrypoint (and its shell)
     assert drivers
     cluster.run("head", ["kill", "-9", *map(str, drivers)])
