@@ -50,7 +50,7 @@ from rl_cluster.bucket.layout import (
 )
 from rl_cluster.bucket.lease import LEASE_TTL_S, RunLease
 from rl_cluster.bucket.s3 import S3Store
-from rl_cluster.bucket.store import Manifest, RetryPolicy, Store
+from rl_cluster.bucket.store import Manifest, Store
 from rl_cluster.core.experience import EXPERIENCE_DIR, SHARD_FILE, build_shard_manifest, parse_shard_dir_name
 from rl_cluster.core.manifest import (
     CHECKPOINT_REQUIRED_FILES,
@@ -65,6 +65,7 @@ from rl_cluster.core.manifest import (
     parse_checkpoint_dir_name,
     versions_to_delete,
 )
+from rl_cluster.core.retry import RetryPolicy
 from rl_cluster.errors import AdapterNotFound, AdapterRejected
 
 __all__ = ["ADAPTERS_DIR", "CHECKPOINTS_DIR", "Bucket", "apply_cache_retention"]
@@ -83,7 +84,9 @@ class Bucket:
         retry_max_delay_s: float = 8.0,
         s3_timeout_s: float = 30.0,
     ):
-        policy = RetryPolicy(attempts, retry_base_delay_s, retry_max_delay_s)
+        policy = RetryPolicy(
+            attempts=attempts, first_delay_s=retry_base_delay_s, max_delay_s=retry_max_delay_s
+        )
         self.s3_endpoint_url = s3_endpoint_url
         self.store: Store = (
             S3Store(uri, policy, s3_endpoint_url, s3_timeout_s)

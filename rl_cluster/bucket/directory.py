@@ -25,8 +25,9 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from rl_cluster.bucket.store import Conflict, Digests, Manifest, RetryPolicy, Store
+from rl_cluster.bucket.store import Conflict, Digests, Manifest, Store
 from rl_cluster.core.manifest import MANIFEST_NAME, check_files, manifest_to_json, sha256_of
+from rl_cluster.core.retry import RetryPolicy
 from rl_cluster.errors import AdapterRejected
 
 _CHUNK = 1 << 20

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from rl_cluster.bucket.directory import verified_copy, write_synced
-from rl_cluster.bucket.store import Conflict, Digests, Manifest, RetryPolicy, Store
+from rl_cluster.bucket.store import Conflict, Digests, Manifest, Store, retrying
 from rl_cluster.core.manifest import MANIFEST_NAME, check_files, manifest_to_json, sha256_of
+from rl_cluster.core.retry import RetryPolicy
 from rl_cluster.errors import AdapterRejected
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class S3Store(Store):
         return self._fs
 
     def _retry(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return self.policy.call(self.uri, what, self._credentials_checked(fn), *args, **kwargs)
+        return retrying(self.uri, self.policy, what, self._credentials_checked(fn), *args, **kwargs)
 
     def _credentials_checked(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn`, with missing credentials as a PermissionError (never retried: they cannot appear by

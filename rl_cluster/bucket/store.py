@@ -1,4 +1,4 @@
-"""What a bucket backend must do, and the retry policy every backend shares.
+"""What a bucket backend must do, and how every backend retries.
 
 A bucket holds *committed directories* (adapter versions, trainer checkpoints, and whatever is published
 next) plus a few small run files. A committed directory is flat: its files, and a `manifest.json` listing
@@ -17,14 +17,14 @@ Besides those, a store offers conditional writes of one small file (`create`, `r
 
 from __future__ import annotations
 
+import functools
 import logging
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rl_cluster.core.retry import RetriesExhausted, RetryPolicy
 from rl_cluster.errors import AdapterError, BucketUnavailable
 
 log = logging.getLogger(__name__)
@@ -53,40 +53,28 @@ _DEFINITIVE = (
 )
 
 
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Bounded retries with exponential backoff, so that a bucket that stays unreachable surfaces as one
-    BucketUnavailable naming the URI and the last error, instead of a hang or a bare network error."""
+def _transient(e: Exception) -> bool:
+    """Connection refused, timeouts, 5xx, EIO on a mount: maybe transient, so worth another try."""
+    return not isinstance(e, _DEFINITIVE)
 
-    attempts: int = 5
-    base_delay_s: float = 0.5
-    max_delay_s: float = 8.0
 
-    def __post_init__(self) -> None:
-        if self.attempts < 1:
-            raise ValueError(f"attempts={self.attempts} must be >= 1")
+def retrying(uri: str, policy: RetryPolicy, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """fn(*args, **kwargs), retrying errors that may be transient (network, I/O), so that a bucket that
+    stays unreachable surfaces as one BucketUnavailable naming the URI and the last error, instead of a
+    hang or a bare network error."""
 
-    def call(self, where: str, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """fn(*args, **kwargs), retrying errors that may be transient (network, I/O)."""
-        started = time.monotonic()
-        for attempt in range(1, self.attempts + 1):
-            try:
-                return fn(*args, **kwargs)
-            except _DEFINITIVE:
-                raise
-            except Exception as e:  # connection refused, timeouts, 5xx, EIO on a mount: maybe transient
-                last = e
-                if attempt < self.attempts:
-                    delay = min(self.base_delay_s * 2 ** (attempt - 1), self.max_delay_s)
-                    log.warning(
-                        "%s: %s: %s (attempt %d/%d, retrying in %.2fs)",
-                        *(where, what, e, attempt, self.attempts, delay),
-                    )
-                    time.sleep(delay)
+    def warn(e: Exception, attempt: int, delay: float) -> None:
+        log.warning(
+            "%s: %s: %s (attempt %d/%s, retrying in %.2fs)", uri, what, e, attempt, policy.attempts, delay
+        )
+
+    try:
+        return policy.call(functools.partial(fn, *args, **kwargs), retryable=_transient, on_retry=warn)
+    except RetriesExhausted as e:
         raise BucketUnavailable(
-            f"bucket {where} unreachable: {what} failed {self.attempts} times in "
-            f"{time.monotonic() - started:.1f}s; last error: {type(last).__name__}: {last}"
-        ) from last
+            f"bucket {uri} unreachable: {what} failed {e.attempts} times in {e.elapsed_s:.1f}s; "
+            f"last error: {type(e.last).__name__}: {e.last}"
+        ) from e.last
 
 
 class Store(ABC):
@@ -100,7 +88,7 @@ class Store(ABC):
         return f"{type(self).__name__}({self.uri!r})"
 
     def _retry(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return self.policy.call(self.uri, what, fn, *args, **kwargs)
+        return retrying(self.uri, self.policy, what, fn, *args, **kwargs)
 
     @abstractmethod
     def uri_of(self, rel: str) -> str:

@@ -10,10 +10,12 @@ must not fail the sync for the others.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from rl_cluster.core.retry import RetriesExhausted, RetryPolicy
 from rl_cluster.errors import AdapterNotFound, AdapterRejected, ReplicaServerError, ReplicaTimeout
 from rl_cluster.proxy.adapter_loader import AdapterLoader
 
@@ -61,28 +63,31 @@ async def load_with_retry(
     answered "not found" before it stopped answering raises that: the adapter is what is missing.
     """
     deadline = time.monotonic() + deadline_s
-    not_found: AdapterNotFound | None = None
-    while True:
-        try:
-            async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
-                await loader.load_adapter(name, path)
-            return
-        except AdapterNotFound as e:
-            not_found = e
-        except TimeoutError:
-            if not_found is not None:
-                raise not_found from None
-            raise ReplicaTimeout(
-                f"no answer to loading {name!r} within load_deadline_s={deadline_s:g}"
-            ) from None
-        remaining = deadline - time.monotonic()
-        if give_up.is_set() or remaining <= 0:
-            raise not_found
-        try:
-            await asyncio.wait_for(give_up.wait(), min(retry_s, remaining))
-        except TimeoutError:
-            continue
-        raise not_found
+    policy = RetryPolicy(deadline_s=deadline_s, first_delay_s=retry_s, max_delay_s=retry_s, factor=1)
+    not_found: list[AdapterNotFound] = []  # what the replica answered before the attempt that timed out
+
+    async def attempt() -> None:
+        async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+            await loader.load_adapter(name, path)
+
+    async def wait_unless_given_up(delay: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(give_up.wait(), delay)
+
+    try:
+        await policy.acall(
+            attempt,
+            retryable=lambda e: isinstance(e, AdapterNotFound),
+            on_retry=lambda e, *_: not_found.append(e),
+            stop=give_up.is_set,
+            sleep=wait_unless_given_up,
+        )
+    except RetriesExhausted as e:
+        raise e.last from None
+    except TimeoutError:
+        if not_found:
+            raise not_found[-1] from None
+        raise ReplicaTimeout(f"no answer to loading {name!r} within load_deadline_s={deadline_s:g}") from None
 
 
 async def unload_within(loader: AdapterLoader, name: str, deadline_s: float) -> None:

@@ -12,17 +12,16 @@ from __future__ import annotations
 import requests
 import torch
 
-from rl_cluster.core.auth import bearer_headers
+from rl_cluster.trainer.http import HttpClient
 
 
 def sample_from_replica(url: str, adapter: str, prompt_ids: list[int], n: int, max_tokens: int,
                         api_key: str | None = None) -> list[dict]:  # fmt: skip
     """n sampled completions (token ids and their logprobs) from one replica, at temperature 1 so that
     vLLM's processed logprobs are the plain log-softmax. `api_key`: the run's replica key."""
-    response = requests.post(
-        f"{url}/v1/completions",
-        headers=bearer_headers(api_key),
-        json={
+    answer = HttpClient(url, api_key, timeout_s=120).post(
+        "/v1/completions",
+        {
             "model": adapter,
             "prompt": prompt_ids,
             "n": n,
@@ -32,12 +31,10 @@ def sample_from_replica(url: str, adapter: str, prompt_ids: list[int], n: int, m
             "logprobs": 0,
             "return_token_ids": True,
         },
-        timeout=120,
     )
-    response.raise_for_status()
     return [
         {"token_ids": c["token_ids"], "logprobs": c["logprobs"]["token_logprobs"]}
-        for c in response.json()["choices"]
+        for c in answer["choices"]
         if c["token_ids"]
     ]
 

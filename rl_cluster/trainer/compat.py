@@ -100,7 +100,6 @@ import threading
 from pathlib import Path
 
 import aiohttp
-import requests
 import torch
 import torch.nn.functional as F
 from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer, StepIntervalCallback
@@ -109,6 +108,7 @@ from trl.experimental.async_grpo.vllm_client import VLLMClient
 
 from rl_cluster.core.admission import AdmissionWindow, admits
 from rl_cluster.core.auth import bearer_headers
+from rl_cluster.trainer.http import HttpClient
 
 
 def varlen_attention(
@@ -296,7 +296,9 @@ class GroupPinnedRolloutLoop(_AsyncRolloutLoop):
         return self._generate_in_group(group_id, prompt, tool_dict=tool_dict, tools=tools)
 
     async def _post(self, path: str, payload: dict, timeout: float, max_retries: int = 3) -> dict:
-        # TRL's _post, with the bearer header (item 19); TRL's session carries no default headers.
+        # TRL's _post, with the bearer header (item 19); TRL's session carries no default headers. Its
+        # retries stay TRL's `_retry` (not rl_cluster.core.retry): the loop's other calls go through it too,
+        # and it counts them in rollout/vllm_retry_total.
         client_timeout = aiohttp.ClientTimeout(total=timeout)
         url = f"{self.vllm_server_url}{path}"
 
@@ -451,12 +453,10 @@ class AuthorizedVLLMClient(VLLMClient):
 
     def __init__(self, server_url: str, server_timeout: float = 240.0, auth_token: str | None = None):
         super().__init__(server_url, server_timeout)
-        self.headers = bearer_headers(auth_token)
+        self.http = HttpClient(server_url, auth_token, timeout_s=60)
 
     def _get(self, route: str, **params) -> dict:
-        response = requests.get(f"{self.server_url}{route}", params=params, headers=self.headers, timeout=60)
-        response.raise_for_status()
-        return response.json()
+        return self.http.request("GET", route, params=params).json()
 
     def get_max_model_len(self) -> int:
         return self._get("/v1/models")["data"][0]["max_model_len"]

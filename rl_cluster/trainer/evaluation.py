@@ -16,19 +16,19 @@ first sync (step 0), every `eval.every_steps` steps after that step's sync, and 
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import requests
 from transformers import TrainerCallback
 
 from rl_cluster.config import RunConfig
-from rl_cluster.core.auth import bearer_headers
 from rl_cluster.core.evaluation import aggregate, eval_indices
+from rl_cluster.core.retry import RetriesExhausted, RetryPolicy
+from rl_cluster.trainer.http import HttpClient, describe, no_answer
 
+ROUTE = "/v1/completions"
 REQUEST_TIMEOUT_S = 600.0
-ATTEMPTS = 3  # a replica lost mid-request is retried elsewhere by the proxy; this covers the proxy itself
+ATTEMPTS = 3
 
 
 def _response_parser(tokenizer):
@@ -48,8 +48,14 @@ class Evaluator:
                  chat_template_kwargs: dict | None = None, auth_token: str | None = None):  # fmt: skip
         """`rows`: the prepared eval split's rows (a `prompt` message list and the grader's columns);
         `auth_token`: the proxy's token (it demands the token on generation whenever it holds one)."""
-        self.url = proxy_url.rstrip("/") + "/v1/completions"
-        self.headers = bearer_headers(auth_token)
+        # The proxy retries a replica lost mid-request on another; these retries cover the proxy itself.
+        self.http = HttpClient(
+            proxy_url,
+            auth_token,
+            timeout_s=REQUEST_TIMEOUT_S,
+            retry=RetryPolicy(attempts=ATTEMPTS, first_delay_s=1.0, max_delay_s=4.0),
+            retryable=no_answer,
+        )
         self.eval = config.eval
         self.max_tokens = config.trainer.max_new_tokens
         self.seed = config.trainer.seed
@@ -64,20 +70,13 @@ class Evaluator:
         ]  # fmt: skip
 
     def _post(self, payload: dict) -> list[dict]:
-        for attempt in range(ATTEMPTS):
-            try:
-                response = requests.post(
-                    self.url, json=payload, headers=self.headers, timeout=REQUEST_TIMEOUT_S
-                )
-                if response.status_code < 500:
-                    response.raise_for_status()
-                    return sorted(response.json()["choices"], key=lambda c: c["index"])
-                error = f"HTTP {response.status_code}: {response.text[:200]}"
-            except (requests.ConnectionError, requests.Timeout) as e:
-                error = f"{type(e).__name__}: {e}"
-            if attempt + 1 < ATTEMPTS:
-                time.sleep(2**attempt)
-        raise RuntimeError(f"eval request to {self.url} failed {ATTEMPTS} times: {error}")
+        try:
+            answer = self.http.post(ROUTE, payload)
+        except RetriesExhausted as e:
+            raise RuntimeError(
+                f"eval request to {self.http.base_url}{ROUTE} failed {e.attempts} times: {describe(e.last)}"
+            ) from e.last
+        return sorted(answer["choices"], key=lambda c: c["index"])
 
     def _generate(self, adapter: str, i: int) -> tuple[dict, list[dict]]:
         common = {"model": adapter, "prompt": self.prompt_ids[i], "max_tokens": self.max_tokens,

@@ -7,14 +7,10 @@ start-up, /health, /server_info and /v1/models, through compat's AuthorizedVLLMC
 
 from __future__ import annotations
 
-import logging
-import time
-
 import requests
 
-from rl_cluster.core.auth import bearer_headers
-
-logger = logging.getLogger(__name__)
+from rl_cluster.core.retry import RetriesExhausted, RetryPolicy
+from rl_cluster.trainer.http import HttpClient, unreachable
 
 
 class ProxyControlError(RuntimeError):
@@ -26,39 +22,36 @@ class ProxyClient:
         self, url: str, auth_token: str | None = None, timeout_s: float = 600.0, reconnect_s: float = 180.0
     ):
         """`reconnect_s`: how long a call keeps trying while the proxy does not answer at all (Ray
-        restarts a proxy whose process died, on the same address: proxy.max_restarts)."""
-        self.url = url.rstrip("/")
+        restarts a proxy whose process died, on the same address: proxy.max_restarts). Only an unreachable
+        proxy is retried: loads are safe to repeat (the proxy answers a load of a name it holds from the
+        same path with success), but a proxy that answered has decided."""
+        self.http = HttpClient(
+            url,
+            auth_token,
+            timeout_s=timeout_s,
+            retry=RetryPolicy(deadline_s=reconnect_s, first_delay_s=1.0, max_delay_s=10.0),
+            retryable=unreachable,
+        )
+        self.url = self.http.base_url
         self.auth_token = auth_token  # also what the rollout loop and the eval send (compat item 19)
-        self.headers = bearer_headers(auth_token)
-        self.timeout_s = timeout_s
         self.reconnect_s = reconnect_s
 
-    def _request(self, method: str, route: str, timeout: float, **kwargs) -> requests.Response:
-        """One call, tried again while the proxy cannot be reached (a connection refused or reset, no
-        answer): bounded by `reconnect_s`. Loads are safe to repeat: the proxy answers a load of a name
-        it holds from the same path with success."""
-        deadline = time.monotonic() + self.reconnect_s
-        delay = 1.0
-        while True:
-            try:
-                return requests.request(
-                    method, f"{self.url}{route}", headers=self.headers, timeout=timeout, **kwargs
-                )
-            except requests.ConnectionError as e:
-                if time.monotonic() + delay > deadline:
-                    raise ProxyControlError(
-                        f"proxy {self.url} unreachable for {self.reconnect_s:.0f} s ({route}): {e}"
-                    ) from e
-                logger.warning("proxy %s unreachable (%s); trying again in %.0f s", self.url, route, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 10.0)
+    def _request(self, method: str, route: str, **kwargs) -> requests.Response:
+        try:
+            return self.http.request(method, route, **kwargs)
+        except RetriesExhausted as e:
+            raise ProxyControlError(
+                f"proxy {self.url} unreachable for {self.reconnect_s:.0f} s ({route}): {e.last}"
+            ) from e.last
 
     def _post(self, route: str, payload: dict) -> None:
-        response = self._request("POST", route, self.timeout_s, json=payload)
-        if response.status_code != 200:
+        try:
+            self._request("POST", route, json=payload)
+        except requests.HTTPError as e:
+            response = e.response
             raise ProxyControlError(
                 f"proxy {route} {payload} failed: HTTP {response.status_code}: {response.text}"
-            )
+            ) from e
 
     def load_adapter(self, name: str, path: str) -> None:
         """Returns once every active replica verified and loaded `name`; it is routable from then on."""
@@ -69,9 +62,7 @@ class ProxyClient:
         self._post("/v1/unload_lora_adapter", {"lora_name": name})
 
     def _replicas(self) -> dict:
-        response = self._request("GET", "/replicas", 30)
-        response.raise_for_status()
-        return response.json()
+        return self._request("GET", "/replicas", timeout_s=30).json()
 
     def replicas(self) -> dict[str, dict]:
         """Per replica: url, state, requests, in_flight, adapters_loaded, ... (the proxy's /replicas)."""
