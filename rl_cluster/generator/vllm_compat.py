@@ -21,6 +21,12 @@
    when that is larger). `tests/integration/test_long_prompts.py` shows the crash without it and a
    server started as the run starts it surviving the same load. `without_seed` stays for the
    benchmarks' stub-free comparisons with servers started by other routers' defaults.
+4. vLLM's API server closes a kept-alive connection after 5 idle seconds (`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`,
+   uvicorn's `timeout_keep_alive`), and aiohttp's client keeps one for 15 s: a request that picks a
+   connection the server is closing fails before any answer ("Can not write request body",
+   "Server disconnected"), which the proxy saw as a healthy replica's failure and passed on as a 502
+   (the trainer retried them). The proxy's sessions to the replicas keep connections for
+   `CLIENT_KEEPALIVE_S`, below the server's; `tests/unit/test_vllm_compat.py` checks vLLM's value.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import hmac
 import os
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+VLLM_KEEP_ALIVE_S = 5  # vLLM 0.32's VLLM_HTTP_TIMEOUT_KEEP_ALIVE default (item 4)
+CLIENT_KEEPALIVE_S = VLLM_KEEP_ALIVE_S - 2  # a connection is dropped by us before the server closes it
 
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM 0.32's scheduler default

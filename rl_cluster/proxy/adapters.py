@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Coroutine
 
 from rl_cluster.config import ProxyConfig
-from rl_cluster.core.versions import VersionBook
-from rl_cluster.errors import AdapterNotFound, ReplicaTimeout
+from rl_cluster.core.versions import ReplicaState, VersionBook
+from rl_cluster.errors import AdapterError, AdapterNotFound, ReplicaTimeout
 from rl_cluster.proxy.broadcast import LoadFailed, load_everywhere, unload_within
 from rl_cluster.proxy.health import HealthWatch
 from rl_cluster.proxy.metrics import LatencyHistogram
@@ -119,6 +119,8 @@ class AdapterBroadcasts:
         replica = self.replicas.get(replica_id)
         if replica is None:
             return
+        if self.book.state(replica_id) is ReplicaState.UNHEALTHY:
+            return  # its catch-up reads back what it serves and unloads what is closed
         start = time.monotonic()
         try:
             await unload_within(replica.loader, name, self.config.load_deadline_s)
@@ -128,9 +130,12 @@ class AdapterBroadcasts:
             # Hung: out of routing; its catch-up reads back what it serves and unloads what is closed.
             self.health.mark_unhealthy(replica_id, str(e))
             return
-        except Exception:
+        except AdapterError as e:
             # Left marked as loaded (and closed): it still occupies a slot on that replica, and we say so.
-            # An unhealthy replica retries this when it catches up.
+            # An unreachable replica is out of routing at the next health round, and its catch-up retries.
+            logger.warning("unloading adapter %s on replica %s failed: %s", name, replica_id, e)
+            return
+        except Exception:
             logger.exception("unloading adapter %s on replica %s failed", name, replica_id)
             return
         finally:

@@ -3,7 +3,9 @@
 The choice is prefix affinity with the imbalance guard (rl_cluster.core.routing) among the replicas
 eligible for the requested adapter: active, and holding it (rl_cluster.proxy.replicas). A replica that
 fails before the client got a byte (rl_cluster.proxy.forward.ReplicaFailed) has the request sent to
-another eligible one, each replica at most once; whether the failed one is down is the pool's call.
+another eligible one, each replica at most once; whether the failed one is down is the pool's call. A healthy
+replica that answered nothing at all (its connection broke under the request) has the request sent once
+more, to it when no other is eligible.
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ class Dispatcher:
         hashes = block_hashes(adapter or "", request_prompt(body), self.config.block_size)
         tried: list[str] = []
         failure: ReplicaFailed | None = None
-        waited = False
-        # Bounded: each replica is tried at most once, and only after the previous one failed before
-        # the client received anything (ReplicaFailed).
+        waited = resent = False
+        # Bounded: each replica is tried at most once (one of them twice, after a connection that broke
+        # without an answer), and only after the previous one failed before the client received anything
+        # (ReplicaFailed).
         while True:
             eligible = [r for r in pool.book.eligible(adapter) if r not in tried]
             if not eligible and not pool.book.active() and not waited:
@@ -77,7 +80,7 @@ class Dispatcher:
                 policy=self.config.routing_policy,
                 capacity={r: pool.replicas[r].capacity for r in eligible},
             )
-            if tried:
+            if failure is not None:
                 self.retries += 1
                 logger.warning("retrying on replica %s after: %s", decision.replica_id, failure)
             else:
@@ -88,10 +91,18 @@ class Dispatcher:
                 return await self._forward_counted(request, pool.replicas[decision.replica_id], raw, adapter)
             except ReplicaFailed as e:
                 failure = e
-                if not await pool.replica_failed(e):
-                    # A 5xx from a replica that is fine otherwise: the request's own problem, passed on.
-                    logger.warning("passing on a failure of healthy replica %s: %s", decision.replica_id, e)
-                    return e.answer or error_response(502, str(e), "BadGatewayError")
+                if await pool.replica_failed(e):
+                    continue  # down, and out of routing: another replica, if one is eligible
+                if e.answer is None and not e.timed_out and not resent:
+                    # A healthy replica that answered nothing at all (a kept-alive connection it had closed,
+                    # a reset): the client got nothing either, so it is sent once more, elsewhere if it can.
+                    resent = True
+                    if not [r for r in pool.book.eligible(adapter) if r not in tried]:
+                        tried.remove(decision.replica_id)
+                    continue
+                # A 5xx from a replica that is fine otherwise: the request's own problem, passed on.
+                logger.warning("passing on a failure of healthy replica %s: %s", decision.replica_id, e)
+                return e.answer or error_response(502, str(e), "BadGatewayError")
 
     def _no_replica_answer(
         self, model: Any, adapter: str | None, failure: ReplicaFailed | None

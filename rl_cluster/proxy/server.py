@@ -26,6 +26,7 @@ from aiohttp import web
 
 from rl_cluster.config import ProxyConfig
 from rl_cluster.core.auth import bearer_headers
+from rl_cluster.generator.vllm_compat import CLIENT_KEEPALIVE_S
 from rl_cluster.proxy.adapter_loader import ADMIN_TIMEOUT, AdapterLoader, HttpAdapterLoader
 from rl_cluster.proxy.answers import error_response, no_active_replica, reply
 from rl_cluster.proxy.broadcast import LoadFailed
@@ -101,11 +102,15 @@ class ProxyServer:
         # No connection limit on the data path: every in-flight generation holds a connection.
         # Both sessions carry the replicas' key: every route of a replica demands it.
         self._data_session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S),  # vllm_compat 4
             timeout=data_timeout(self.config.pause_lease_s, self.max_model_len, self.config.read_timeout_s),
             headers=self._replica_headers,
         )
-        self._admin_session = aiohttp.ClientSession(timeout=ADMIN_TIMEOUT, headers=self._replica_headers)
+        self._admin_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(keepalive_timeout=CLIENT_KEEPALIVE_S),
+            timeout=ADMIN_TIMEOUT,
+            headers=self._replica_headers,
+        )
         self._dispatch.session = self._data_session
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._middleware])
         app.add_routes(

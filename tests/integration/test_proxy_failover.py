@@ -34,6 +34,7 @@ class PlayDead:
     def __init__(self, target: str):
         self.target = target
         self.down = False
+        self.hang_ups = 0  # generations to hang up on once received, without a word (a broken connection)
         self.generations = 0
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -53,6 +54,11 @@ class PlayDead:
             return web.json_response({"error": "engine dead"}, status=503)
         if request.path.endswith("completions"):
             self.generations += 1
+            if self.hang_ups:
+                self.hang_ups -= 1
+                await request.read()
+                request.transport.close()
+                return web.Response()  # never sent: the connection is gone
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
         async with self._session.request(
             request.method, self.target + request.path_qs, data=await request.read(), headers=headers
@@ -211,6 +217,30 @@ async def test_killed_replica_request_is_retried_elsewhere(doomed_server, vllm_s
         assert status == 200 and replica == "r0"
         await proxy.remove_replica("doomed")
         assert list(proxy.stats()["replicas"]) == ["r0"]
+
+
+async def test_a_healthy_replica_that_hung_up_without_an_answer_gets_the_request_once_more(
+    vllm_servers, tiny_model_dir
+):  # noqa: E501
+    """A connection that breaks under a request (a kept-alive connection the replica had closed, a reset)
+    is no failure of the replica (its /health answers) nor of the request: it is sent once more, here to
+    the same replica (the only one), and the client gets its answer, not a 502. Twice in a row is passed on."""
+    flaky = PlayDead(vllm_servers[0].url)
+    request = {"model": str(tiny_model_dir), "prompt": "7+8=", "max_tokens": 2, "temperature": 0}
+    async with proxy_over({"r0": await flaky.start()}, health_interval_s=30) as (proxy, url):
+        try:
+            flaky.hang_ups = 1
+            status, body, replica = await post_routed(f"{url}/v1/completions", request)
+            assert (status, replica) == (200, "r0"), body
+            assert flaky.generations == 2 and proxy.stats()["retries"] == 1
+            assert proxy.stats()["replicas"]["r0"]["state"] == "active"
+
+            flaky.hang_ups = 2  # the resend breaks too: passed on, once, and the replica stays in routing
+            status, body, _ = await post_routed(f"{url}/v1/completions", request)
+            assert status == 502 and "BadGatewayError" in json.dumps(body), body
+            assert flaky.generations == 4 and proxy.stats()["replicas"]["r0"]["state"] == "active"
+        finally:
+            await flaky.stop()
 
 
 @contextlib.contextmanager

@@ -79,3 +79,18 @@ def test_the_cpu_build_has_no_distribution_named_vllm():
     assert cpu_build.version == "0.32.0"
     with pytest.raises(importlib.metadata.PackageNotFoundError):
         importlib.metadata.distribution("vllm")
+
+
+async def test_the_proxy_drops_a_kept_alive_connection_before_vllm_closes_it():
+    """Item 4: vLLM closes idle connections after VLLM_HTTP_TIMEOUT_KEEP_ALIVE seconds, sooner than
+    aiohttp's client gives them up (15 s), so the proxy's sessions keep them for less."""
+    import aiohttp
+    import vllm.envs
+
+    from rl_cluster.generator.vllm_compat import CLIENT_KEEPALIVE_S, VLLM_KEEP_ALIVE_S
+
+    assert vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE == VLLM_KEEP_ALIVE_S
+    default = aiohttp.TCPConnector()
+    assert default._keepalive_timeout > VLLM_KEEP_ALIVE_S  # what a client left at its default does
+    await default.close()
+    assert 0 < CLIENT_KEEPALIVE_S < VLLM_KEEP_ALIVE_S
