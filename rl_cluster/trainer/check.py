@@ -12,7 +12,7 @@ from __future__ import annotations
 import requests
 import torch
 
-from rl_cluster.trainer.http import HttpClient
+from rl_cluster.trainer.http import HttpClient, describe, no_answer
 
 
 def sample_from_replica(url: str, adapter: str, prompt_ids: list[int], n: int, max_tokens: int,
@@ -61,12 +61,13 @@ def served_vs_trained_gap(model, replica_urls: list[str], adapter: str, prompt_i
             for url in replica_urls:
                 try:
                     samples = sample_from_replica(url, adapter, prompt_ids, n, max_tokens, api_key)
-                except (requests.ConnectionError, requests.Timeout) as e:
-                    # It was active when listed and died since (its actor restarts it): the check goes on
-                    # with the others rather than failing the sync.
+                except requests.RequestException as e:
+                    if not no_answer(e):
+                        raise  # it answered, and refused: a replica without the adapter is no skip
+                    # It was active when listed and died since, or its engine did (a 5xx): its actor
+                    # restarts it, and the check goes on with the others rather than failing the sync.
                     print(
-                        f"served-vs-trained check: {url} did not answer ({type(e).__name__}); skipped",
-                        flush=True,
+                        f"served-vs-trained check: {url} did not answer ({describe(e)}); skipped", flush=True
                     )
                     continue
                 diffs = []

@@ -97,3 +97,39 @@ def test_the_proxy_client_turns_a_refusal_and_an_outage_into_proxy_control_error
     # reconnect_s shorter than the first wait (1 s): one try, then the error that names the outage
     with pytest.raises(ProxyControlError, match=r"unreachable for 0 s \(/v1/unload_lora_adapter\)"):
         ProxyClient(f"http://127.0.0.1:{port}", reconnect_s=0.5).unload_adapter("run-v2")
+
+
+class _NoModel:
+    """What the served-vs-trained check touches of a model when no replica gave it samples."""
+
+    training = True
+
+    def __init__(self):
+        self.config = type("Config", (), {"_attn_implementation": "packed"})()
+
+    def eval(self):
+        self.training = False
+
+    def train(self, mode: bool = True):
+        self.training = mode
+
+    def set_attn_implementation(self, name: str):
+        self.config._attn_implementation = name
+
+
+def test_the_served_vs_trained_check_skips_a_replica_that_died_but_not_one_that_refused(stub):
+    """A replica listed as active whose engine died meanwhile answers 500 (vLLM's API server outlives its
+    engine core for a moment), or nothing: the check goes on without it (the chaos run's sync died of
+    that 500). One that answered 404 (no such adapter) is a real mismatch: that fails the sync."""
+    from rl_cluster.trainer.check import served_vs_trained_gap
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = f"http://127.0.0.1:{s.getsockname()[1]}"  # closed again: nothing listens there
+    _Stub.statuses = [500]
+    model = _NoModel()
+    assert served_vs_trained_gap(model, [stub.rstrip("/"), nobody], "r-v1", [1, 2], 2, 4, api_key="k") == {}
+    assert model.training and model.config._attn_implementation == "packed"  # left as it was
+    _Stub.statuses = [404]
+    with pytest.raises(requests.HTTPError, match="404"):
+        served_vs_trained_gap(model, [stub.rstrip("/")], "r-v1", [1, 2], 2, 4, api_key="k")
