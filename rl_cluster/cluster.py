@@ -274,7 +274,10 @@ class Cluster:
                 found[replica_id] = "restarted"
                 continue
             if condition["restarts"] > self.restarts_seen.get(replica_id, 0):
-                self.history.cause(replica_id, "vLLM server restarted")
+                why = condition.get("last_restart")
+                self.history.cause(
+                    replica_id, f"vLLM server restarted ({why})" if why else "vLLM server restarted"
+                )
             self.restarts_seen[replica_id] = condition["restarts"]
             if condition["spent"]:
                 found[replica_id] = "spent"

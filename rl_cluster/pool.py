@@ -253,8 +253,10 @@ class PoolController:
         stats = await self.cluster.proxy.stats.remote()
         snap, by_state = self._snapshot(stats, time.monotonic())
         if stats.get("serving", True):  # a proxy awaiting its restore knows no replica yet
+            replicas = stats.get("replicas", {})
             for rid in (*by_state["serving"], *by_state["starting"], *by_state["unavailable"]):
-                self.cluster.history.observe(rid, serving=rid in snap.serving)
+                why = replicas.get(rid, {}).get("down_reason")
+                self.cluster.history.observe(rid, serving=rid in snap.serving, why=why)
         decision = self.policy.observe(snap)
         if decision is not None:
             self._apply(decision, snap.size)

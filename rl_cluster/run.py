@@ -149,7 +149,7 @@ async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
         for actor, where in cluster.placement.items():
             print(f"  {actor:<14} on {where['address']}", flush=True)
         print(f"Ray metrics (rl_trainer_*, rl_proxy_*, rl_generator_*): {metrics_exports()}", flush=True)
-        result = await cluster.trainer.train.remote(resume=resume)
+        result = await train_through_restarts(cluster.trainer, resume)
     except RunRefused:
         with contextlib.suppress(Exception):
             ray.shutdown()
@@ -182,6 +182,58 @@ async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
     return summary
 
 
+# How long the trainer may stay unreachable before the run gives up on it: Ray declares a silent node dead
+# after five missed health checks (up to ~65 s), then restarts the actor elsewhere.
+TRAINER_LOST_S = 240.0
+ASK_AGAIN_S = 5.0
+
+
+async def train_through_restarts(trainer, resume: bool) -> dict:
+    """The trainer's run(), asked again when the call failed because its actor died or could not be reached
+    (its process killed, its node lost or cut off): a life Ray restarted resumes from the newest
+    checkpoint, and a life that went on answers with the outcome of its training. Ray's own retry of the
+    call is off: when a node is lost, Ray sends the retry to the dead address before it has noticed the
+    death, and the retry is spent there (ActorUnavailableError). Bounded: Ray restarts the actor at most
+    trainer.max_restarts times (then it is DEAD), and one unreachable for TRAINER_LOST_S ends the run."""
+    import ray
+
+    failing_since, last = None, None
+    while True:
+        asked = time.monotonic()
+        try:
+            return await trainer.run.options(max_task_retries=0).remote(resume=resume)
+        except ray.exceptions.RayActorError as e:
+            now = time.monotonic()
+            if failing_since is None or now - asked > 2 * ASK_AGAIN_S:  # it had been answering meanwhile
+                failing_since = now
+            state = await asyncio.to_thread(actor_state, trainer)
+            # A call to an actor that Ray restarts waits for its new life; one to an actor Ray will not
+            # restart fails at once, every time (also when the state API is too slow to say DEAD).
+            died_again = isinstance(e, ray.exceptions.ActorDiedError) and isinstance(
+                last, ray.exceptions.ActorDiedError
+            )
+            if (
+                state == "DEAD"
+                or (died_again and now - asked < ASK_AGAIN_S)
+                or now - failing_since > TRAINER_LOST_S
+            ):
+                raise
+            last = e
+            print(f"trainer unreachable ({type(e).__name__}; Ray says {state}): asking again", flush=True)
+            await asyncio.sleep(ASK_AGAIN_S)
+
+
+def actor_state(actor) -> str | None:
+    """ALIVE, RESTARTING, DEAD, ... from Ray's state API; None when it cannot tell."""
+    from ray.util.state import get_actor
+
+    try:
+        state = get_actor(actor._actor_id.hex())
+    except Exception:
+        return None
+    return None if state is None else str(state.state)
+
+
 def trainer_actor(config: RunConfig, proxy_url: str, secrets):
     """The run's trainer actor, on a node with the `trainer` resource. The run's secrets reach it as
     constructor arguments, never through the runtime_env that Ray's dashboard shows."""
@@ -192,7 +244,8 @@ def trainer_actor(config: RunConfig, proxy_url: str, secrets):
         num_cpus=config.trainer.num_cpus,
         num_gpus=config.trainer.num_gpus,
         resources={"trainer": 1},
-        # A trainer that dies is restarted and its train() call re-run: it resumes from a checkpoint.
+        # A trainer that dies is restarted, and asked to run again (train_through_restarts): it resumes
+        # from a checkpoint. Its other calls (report, placement) are retried by Ray.
         max_restarts=config.trainer.max_restarts,
         max_task_retries=config.trainer.max_restarts,
     ).remote(config, proxy_url, secrets.proxy_token, secrets.replica_key, secrets.environment)
@@ -218,13 +271,17 @@ async def _summarize_run(config: RunConfig, bucket, cluster, result: dict, statu
     if cluster is None:
         return summary
     pool, trainer = cluster.pool, cluster.trainer
-    restarts, reports, scale_events, proxy_restarts, trainer_restarts = await asyncio.gather(
+    restarts, reports, scale_events, proxy_restarts, trainer_restarts, trainer_at = await asyncio.gather(
         _bounded(cluster.replica_restarts(), {}),
         _bounded(cluster.replica_reports(fresh=status == "finished"), {}),
         _bounded(pool.scale_events.remote(), []) if pool is not None else _now([]),
         _bounded(pool.proxy_restarts.remote(), None) if pool is not None else _now(0),
         asyncio.to_thread(actor_restarts, trainer, "trainer"),
+        # Where the trainer is now: Ray may have restarted it on another node since the run began.
+        _bounded(trainer.placement.remote(), None) if trainer is not None else _now(None),
     )
+    if trainer_at:
+        cluster.placement["trainer"] = trainer_at
     summary = summarize(
         result,
         stats,
@@ -241,7 +298,10 @@ async def _summarize_run(config: RunConfig, bucket, cluster, result: dict, statu
     summary["proxy_restarts"] = proxy_restarts
     # The pool controller's record (the syncs above fetched it): where each replica ran, what it came through.
     summary["placement_history"] = cluster.history.placement_history()
-    summary["faults"] = cluster.history.fault_list()
+    # With the trainer's own restarts (only a restarted trainer knows when it trained again), by time.
+    summary["faults"] = sorted(
+        cluster.history.fault_list() + result.get("faults", []), key=lambda f: f["time"]
+    )
     _write_summary(bucket, config, summary, result)
     if cluster is not None and cluster.trainer is not None:
         await _bounded(cluster.trainer.finish.remote(summary), None)

@@ -73,9 +73,10 @@ class ReplicaHistory:
         stints = self.stints.get(replica)
         return stints[-1] if stints and stints[-1].ended_at is None else None
 
-    def observe(self, replica: str, serving: bool, now: float | None = None) -> None:
-        """What the pool saw this round: `replica` in routing or not. Out after having served opens a fault;
-        in again closes it. (A replica leaving on purpose is not observed: the caller leaves it out.)"""
+    def observe(self, replica: str, serving: bool, why: str | None = None, now: float | None = None) -> None:
+        """What the pool saw this round: `replica` in routing or not (`why` not: the proxy's reason, which
+        names the fault until someone who knows more does). Out after having served opens a fault; in
+        again closes it. (A replica leaving on purpose is not observed: the caller leaves it out.)"""
         now = time.time() if now is None else now
         fault = self._open.get(replica)
         if serving:
@@ -83,9 +84,12 @@ class ReplicaHistory:
             if fault is not None:
                 fault.recovered_s = now - fault.began
                 del self._open[replica]
-        elif fault is None and replica in self._served:
+            return
+        if fault is None and replica in self._served:
             self._open[replica] = fault = Fault(replica, now)
             self.faults.append(fault)
+        if fault is not None and why and fault.what == OUT_OF_ROUTING:
+            fault.what = f"{OUT_OF_ROUTING} ({why})"
 
     def cause(self, replica: str, what: str, opens: bool = False, now: float | None = None) -> None:
         """Why `replica` is (or was just) out: names its open fault, else its latest one if still unnamed.
@@ -97,7 +101,7 @@ class ReplicaHistory:
             self.faults.append(fault)
         if fault is None:
             mine = [f for f in self.faults if f.who == replica]
-            fault = mine[-1] if mine and mine[-1].what == OUT_OF_ROUTING else None
+            fault = mine[-1] if mine and mine[-1].what.startswith(OUT_OF_ROUTING) else None
         if fault is not None:
             fault.what = what
 

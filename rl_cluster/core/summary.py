@@ -214,8 +214,9 @@ def summary_table(summary: dict) -> str:
         if summary.get(f"{actor}_restarts"):
             rows.append((f"{actor} restarts", summary[f"{actor}_restarts"]))
     for fault in summary.get("faults", []):
+        again = "training" if fault["who"] == "trainer" else "serving"
         back = (
-            f"serving again after {fault['recovered_s']:.0f} s"
+            f"{again} again after {fault['recovered_s']:.0f} s"
             if fault["recovered_s"] is not None
             else "never back"
         )

@@ -116,8 +116,11 @@ class Generator:
 
     def condition(self) -> dict:
         """What the run's pool controller polls: did start() begin (False: Ray restarted this actor after
-        it died), is its restart budget spent (it stays down), and the replica's restarts so far."""
-        return {"started": self._began, "spent": self.spent, "restarts": self.restart_count()}
+        it died), is its restart budget spent (it stays down), the replica's restarts so far and why the
+        last one was needed."""
+        reasons = self.restarts.reasons
+        return {"started": self._began, "spent": self.spent, "restarts": self.restart_count(),
+                "last_restart": reasons[-1] if reasons else None}  # fmt: skip
 
     async def _start(self, replica_index: int, proxy) -> str:
         g, model = self.config.generator, self.config.model

@@ -27,6 +27,12 @@
    "Server disconnected"), which the proxy saw as a healthy replica's failure and passed on as a 502
    (the trainer retried them). The proxy's sessions to the replicas keep connections for
    `CLIENT_KEEPALIVE_S`, below the server's; `tests/unit/test_vllm_compat.py` checks vLLM's value.
+5. vLLM answers a load of a name it already holds with a 400 ("... has already been loaded"). A load
+   that reached a replica late (sent while its node was cut off, answered after the proxy gave up on it)
+   and is then sent again by the catch-up or a broadcast is refused although its goal is reached: the
+   chaos run's replica never came back into routing. A name is never reused for other weights, so
+   `HttpAdapterLoader` takes that answer as loaded (`ALREADY_LOADED`).
+   `tests/integration/test_proxy.py` shows vLLM's answer to a second load and the loader's.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import os
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 VLLM_KEEP_ALIVE_S = 5  # vLLM 0.32's VLLM_HTTP_TIMEOUT_KEEP_ALIVE default (item 4)
 CLIENT_KEEPALIVE_S = VLLM_KEEP_ALIVE_S - 2  # a connection is dropped by us before the server closes it
+ALREADY_LOADED = "has already been loaded"  # vLLM's 400 to loading a name it holds (item 5)
 
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM 0.32's scheduler default

@@ -12,6 +12,7 @@ from typing import Protocol, runtime_checkable
 import aiohttp
 
 from rl_cluster.errors import AdapterError, AdapterNotFound, AdapterRejected, ReplicaServerError
+from rl_cluster.generator.vllm_compat import ALREADY_LOADED
 
 # Admin calls to a replica (adapter loads, pause, resume, /v1/models) are bounded so that a hung replica
 # turns into an error instead of a hung trainer.
@@ -69,6 +70,8 @@ class HttpAdapterLoader:
         if status == 200:
             return
         message = error_message(text)
+        if status == 400 and ALREADY_LOADED in message:
+            return  # it holds that name, and a name is never reused for other weights (vllm_compat item 5)
         # vLLM answers a path it cannot find with 404 "... No adapter found for <path>"; a 404 without that
         # phrase means the route itself is missing (VLLM_ALLOW_RUNTIME_LORA_UPDATING unset): not retryable.
         if status == 404 and "No adapter found" in message:

@@ -43,6 +43,7 @@ class HealthWatch:
         self.spawn = spawn
         self.catch_up_again = catch_up_again
         self.session: aiohttp.ClientSession | None = None
+        self.down_reasons: dict[str, str] = {}  # replica -> why it last left routing
         # Replicas a catch-up is under way for: a health round and report_back must not start a second.
         self._recovering: set[str] = set()
 
@@ -75,6 +76,7 @@ class HealthWatch:
 
     def mark_unhealthy(self, replica_id: str, reason: str) -> None:
         if self.book.mark_unhealthy(replica_id):
+            self.down_reasons[replica_id] = reason  # the stats say why (the run's `faults` name it)
             logger.warning("replica %s left routing: %s", replica_id, reason)
 
     def report_down(self, replica_id: str, reason: str) -> None:

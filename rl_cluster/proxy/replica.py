@@ -60,5 +60,7 @@ async def probe(session: aiohttp.ClientSession, url: str, timeout_s: float) -> s
     try:
         async with session.get(f"{url}/health", timeout=timeout) as response:
             return None if response.status == 200 else f"HTTP {response.status}"
-    except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
+    except TimeoutError:
+        return f"no answer within {timeout_s:g} s"
+    except (aiohttp.ClientError, ConnectionError) as e:
         return f"{type(e).__name__}: {e}"

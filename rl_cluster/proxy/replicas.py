@@ -195,7 +195,8 @@ class ReplicaPool:
             except Exception as e:
                 self.health.mark_unhealthy(rid, f"catch-up failed: {type(e).__name__}: {e}")
                 return
-        logger.info("replica %s recovered: active again", rid)
+        # A warning like its leaving (Ray shows an actor's warnings, not its info): the operator sees both.
+        logger.warning("replica %s back in routing: caught up", rid)
 
     # -- health (rl_cluster.proxy.health): the server's and dispatcher's way in -------------------------
 
@@ -299,6 +300,7 @@ class ReplicaPool:
                 "in_flight": self.book.in_flight(rid),
                 "adapters_loaded": sorted(self.book.loaded_on(rid)),
                 "adapters_ever_loaded": sorted(self.book.ever_loaded_on(rid)),
+                "down_reason": self.health.down_reasons.get(rid),  # why it last left routing, if it did
             }
             for rid, replica in sorted(self.replicas.items())
         }

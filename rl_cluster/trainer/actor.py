@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
+import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 import ray
@@ -15,6 +18,7 @@ from rl_cluster.bucket import Bucket
 from rl_cluster.config import RunConfig
 from rl_cluster.core.admission import AdmissionWindow
 from rl_cluster.core.evaluation import eval_line, eval_record, with_evals
+from rl_cluster.core.manifest import adapter_dir_name
 from rl_cluster.core.summary import progress_line, step_record
 from rl_cluster.core.telemetry import GROUP_FATES, TRAINER_METRICS, finite, step_values
 from rl_cluster.models import model_fingerprint, resolve_model
@@ -47,6 +51,10 @@ class Trainer:
         self.syncs: list[dict] = []
         self.last_sync: dict = {}
         self.checkpoints: list[str] = []
+        # The trainer's restarts by Ray, as summary.json's `faults` lists them; the open one (this life's)
+        # closes at the first step trained after it.
+        self.faults: list[dict] = []
+        self._restarted: dict | None = None
         self._base_fingerprint = ""
         self.trainer = None
         self._check_prompt_ids: list[int] = []
@@ -57,6 +65,12 @@ class Trainer:
         self.metrics = RayMetricSet(TRAINER_METRICS, config.run_name)
         self._wandb = None
         self._experience = None  # rl_cluster.experience.ExperienceWriter, made with the trainer
+        # run(): one train() per life of this actor, whoever asks how often.
+        self._run_lock = threading.Lock()
+        self._running = False
+        self._outcome: threading.Event = threading.Event()
+        self._result: dict | None = None
+        self._error: BaseException | None = None
 
     # -- reporting -------------------------------------------------------------------------------------
     def _on_step(self, step: int, logs: dict) -> None:
@@ -64,6 +78,9 @@ class Trainer:
             return  # a trainer restored at its last step logs that step once more: the record has it
         record = step_record(step, logs, self.trainer.model_version, self.last_sync.get("handoff_s"))
         self.history.append(record)
+        if self._restarted is not None:
+            self._restarted["recovered_s"] = round(time.time() - self._restarted["time"], 1)
+            self._restarted = None
         print(progress_line(record, self.config.trainer.max_steps), flush=True)
         gauges, observed = step_values(record)
         for name, value in gauges.items():
@@ -123,8 +140,6 @@ class Trainer:
         (a resumed run's train-begin eval repeats none it already has)."""
         if any(e["step"] == step for e in self.evals):
             return
-        from rl_cluster.core.manifest import adapter_dir_name
-
         version = self.trainer.model_version
         adapter = adapter_dir_name(self.config.run_name, version)
         start = time.time()
@@ -145,6 +160,7 @@ class Trainer:
             "syncs": self.syncs,
             "groups": self._group_counts(),
             "evals": self.evals,
+            "faults": self.faults,
         }
         (Path(local_dir) / RUN_STATE).write_text(json.dumps(state))  # what a resume restores besides TRL's
         uri = self.bucket.publish_checkpoint(
@@ -201,8 +217,27 @@ class Trainer:
         state = json.loads((Path(checkpoint) / RUN_STATE).read_text())
         self.history, self.syncs = state["history"], state["syncs"]
         self.evals = state.get("evals", [])
+        self.faults = state.get("faults", [])
         done = state["groups"]
         self._groups_before = {**done, "generated": done["trained"] + done["dropped_stale"]}
+
+    def run(self, resume: bool = False) -> dict:
+        """train(), once per life of this actor: a caller that lost its answer while this life went on (the
+        driver's call failed in a network partition, not in a restart) asks again and gets the outcome of
+        the same training, never a second one beside it. A life Ray restarted trains (and resumes) anew."""
+        with self._run_lock:
+            first, self._running = not self._running, True
+        if first:
+            try:
+                self._result = self.train(resume)
+            except BaseException as e:
+                self._error = e
+            finally:
+                self._outcome.set()
+        self._outcome.wait()
+        if self._error is not None:
+            raise self._error
+        return self._result
 
     def train(self, resume: bool = False) -> dict:
         """Train to trainer.max_steps. `resume` (or a restart of this actor by Ray) continues from the
@@ -252,7 +287,25 @@ class Trainer:
         )
         if checkpoint:
             self._restore(checkpoint)
+        if restarted:
+            self._restarted = self._restart_fault(published)
+            self.faults.append(self._restarted)
         return checkpoint
+
+    def _restart_fault(self, published: list[int]) -> dict:
+        """This life's restart as a fault: since the dead trainer's last sign of life (its newest published
+        version, by its manifest's time; this life's start when it published none), until the first step
+        this one trains."""
+        c = self.config
+        began = time.time()
+        if published:
+            with contextlib.suppress(Exception):  # a missing or odd manifest: the restart's own time
+                name = adapter_dir_name(c.run_name, max(published))
+                manifest = json.loads(self.bucket.read_text(c.run_name, f"adapters/{name}/manifest.json"))
+                began = datetime.fromisoformat(manifest["created_at"]).timestamp()
+        step = self.resumed_from_step
+        what = f"trainer restarted by Ray ({f'from checkpoint step {step}' if step else 'from step 0'})"
+        return {"time": round(began, 3), "what": what, "who": "trainer", "recovered_s": None}
 
     def _start_wandb(self) -> None:
         from rl_cluster.trainer.wandb_log import WandbLog
@@ -389,6 +442,7 @@ class Trainer:
             "train_wall_s": time.time() - self._train_start if self._train_start else 0.0,
             "groups": self._group_counts(),
             "resumed_from_step": self.resumed_from_step,
+            "faults": list(self.faults),
             "experience": self._experience.stats() if self._experience is not None else None,
         }
 
@@ -403,5 +457,6 @@ class Trainer:
         return node_placement()
 
 
-# Two threads: train() holds one for the whole run; report() and placement() answer on the other.
+# Two threads: run() holds one for the whole run; report(), placement() and a second run() (which waits
+# for the first) answer on the other.
 TrainerActor = ray.remote(max_concurrency=2)(Trainer)

@@ -1,10 +1,10 @@
 """The system on a cluster whose nodes have their own addresses: a head (driver + proxy), a `trainer` node
-and two `generator` nodes, each a network namespace with its own loopback (tests/cluster/netns.py).
-The shortened demo goes in with `ray job submit`, as users launch it, with the base model given as a hub
-id resolved offline from a Hugging Face cache. A second run goes through what a cloud does to generator
-nodes, then is ended with `ray job stop`: a node is lost at once (every process SIGKILLed, as a preempted
-spot machine), and another gets a preemption notice (Ray's drain, with a deadline); spare nodes join for
-their replicas.
+and two `generator` nodes, each a network namespace with its own loopback (tests/cluster/netns.py); spare
+generator nodes and a second trainer node join mid-run. The shortened demo goes in with `ray job submit`,
+as users launch it, with the base model given as a hub id resolved offline from a Hugging Face cache. A
+chaos run then finishes every step through what a cloud does to a run (killed engines, actors and proxy, a
+frozen vLLM, a node cut off the network, lost nodes, a preemption notice), and a third run goes through a
+killed trainer, `ray job stop`, a killed driver and `--resume`.
 
 While the first run trains, the test looks at it from another node, as an attacker on the network
 would: each vLLM replica refuses every route without the run's key, and the proxy's control routes
@@ -12,8 +12,11 @@ refuse a request without its token."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -34,8 +37,8 @@ pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]
 NODES = {"head": {}, "trainer": {"trainer": 1}, "gen0": {"generator": 1}, "gen1": {"generator": 1},
-         "spare": {"generator": 1}, "spare2": {"generator": 1}}  # fmt: skip
-SPARE = ("spare", "spare2")  # they join mid-run, in the faults of the stopped run
+         "spare": {"generator": 1}, "spare2": {"generator": 1}, "trainer2": {"trainer": 1}}  # fmt: skip
+SPARE = ("spare", "spare2", "trainer2")  # they join mid-run, in the chaos run
 HUB_ID = "local/tiny-qwen2"
 # In the head's environment only, as a pod spec's secret would put them: the driver inherits them and hands
 # them to the actors; no Ray view of the job may show them.
@@ -45,7 +48,14 @@ TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 @pytest.fixture(scope="module")
 def cluster():
-    ns = NamespaceCluster("rlc", "10.231.7", NODES, node_env={"head": HEAD_SECRETS}, later=SPARE)
+    # Ray declares a node dead after 5 failed health checks in a row (3 s apart): ~15 s for a machine that is
+    # gone, ~22 s for one cut off (the first check times out at 10 s, then gRPC fails the rest at once). The
+    # chaos run's 30 s cut is meant as a partition, not a loss: 10 failures, as an operator of a network
+    # with short partitions would set it.
+    tolerant = {"RAY_health_check_failure_threshold": "10"}
+    ns = NamespaceCluster(
+        "rlc", "10.231.7", NODES, env=tolerant, node_env={"head": HEAD_SECRETS}, later=SPARE
+    )
     ns.start()
     try:
         yield ns
@@ -87,11 +97,13 @@ def job_logs(cluster: NamespaceCluster, job_id: str) -> str:
     return cluster.run("head", ["python", "-c", JOBS, cluster.dashboard, "logs", job_id]).stdout
 
 
-def wait_for_log(cluster, job_id: str, pattern: str, timeout_s: float) -> re.Match:
+def wait_for_log(cluster, job_id: str, pattern: str, timeout_s: float, after: int = 0) -> re.Match:
+    """The first match of `pattern` in the job's log from character `after` on (a log only grows: a
+    fault's lines are looked for after what was there when it was dealt)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         logs = job_logs(cluster, job_id)
-        if match := re.search(pattern, logs):
+        if match := re.compile(pattern).search(logs, after):
             return match
         if job_status(cluster, job_id) in TERMINAL:
             break
@@ -384,92 +396,6 @@ def drain_node(cluster: NamespaceCluster, node: str, deadline_s: int) -> None:
                          "spot termination notice", f"--deadline-remaining-seconds={deadline_s}"])  # fmt: skip
 
 
-def test_a_run_through_a_lost_node_and_a_preemption_notice_ends_cleanly_with_ray_job_stop(
-    cluster, hub_env, tmp_path
-):
-    """(a) g1's node is lost (every process SIGKILLed at once): Ray restarts its actor on a spare node that
-    joined, the pool controller starts its vLLM there, it catches up and serves. (b) g0's node gets a
-    preemption notice (Ray's drain, with a deadline): g0 finishes what it has in flight and leaves, and a
-    replacement starts at once on another spare; the node goes at its deadline. No request fails. Then
-    `ray job stop` ends the run with its summary written and nothing left running."""
-    bucket, run = tmp_path / "bucket", "mn-stopped"
-    submit(cluster, "rlc-stop", hub_env, [f"run_name={run}", f"bucket.uri={bucket}", f"model.path={HUB_ID}",
-                                          "trainer.max_steps=1000"])  # fmt: skip
-    at = {
-        g: wait_for_log(cluster, "rlc-stop", rf"generator {g} +on (\S+)", 900).group(1) for g in ("g0", "g1")
-    }
-    node_of = {g: next(n for n, a in cluster.addresses.items() if a == at[g]) for g in at}
-    wait_for_log(cluster, "rlc-stop", r"step +3/1000", 900)
-
-    # (a) a lost node
-    cluster.join("spare")
-    lost_at = time.monotonic()
-    assert cluster.lose(node_of["g1"])
-    moved = wait_for_log(cluster, "rlc-stop", r"replica g1: node lost \((\S+?)[:)].*?; Ray restarted its "
-                                              r"generator actor on (\S+);", 300)  # fmt: skip
-    assert moved.group(1, 2) == (at["g1"], cluster.addresses["spare"]), moved.group(0)
-    wait_for_log(cluster, "rlc-stop", r"replica g1: serving again after its actor's restart", 600)
-    node_lost_s = time.monotonic() - lost_at
-
-    # (b) a preemption notice
-    cluster.join("spare2")
-    drain_node(cluster, node_of["g0"], deadline_s=120)
-    noticed = time.monotonic()
-    wait_for_log(cluster, "rlc-stop", rf"pool: g0 leaves: its node {at['g0']} is draining \(deadline in", 60)
-    wait_for_log(cluster, "rlc-stop", r"pool: g0 drained in .* and stopped", 150)
-    wait_for_log(cluster, "rlc-stop", r"pool: \['g2'\] caught up and active", 300)
-    replaced_s = time.monotonic() - noticed
-    cluster.lose(node_of["g0"])  # its deadline: the machine goes (Ray let it go once it was empty)
-    steps_then = len(re.findall(r"step +\d+/1000", job_logs(cluster, "rlc-stop")))
-    wait_for_log(cluster, "rlc-stop", rf"step +{steps_then + 2}/1000", 300)  # training went on
-    print(f"\nnode lost -> g1 serving on a spare node: {node_lost_s:.0f} s; preemption notice -> g0 drained "
-          f"and g2 serving on another: {replaced_s:.0f} s")  # fmt: skip
-
-    cluster.run("head", ["ray", "job", "stop", "--address", cluster.dashboard, "rlc-stop"], timeout=120)
-    assert wait_terminal(cluster, "rlc-stop", 120) == "STOPPED"
-    summary = json.loads((bucket / run / "summary.json").read_text())
-    assert summary["status"] == "stopped"
-    assert 3 <= summary["steps"] < 1000
-    assert len(summary["versions_published"]) >= 3
-    assert summary["groups"]["failed"] == 0, summary["groups"]  # no request failed for good
-    assert set(summary["placement"]) == {"proxy", "trainer", "generator g0", "generator g1", "generator g2"}
-    where = {g: summary["placement"][f"generator {g}"]["address"] for g in ("g1", "g2")}
-    assert where == {"g1": cluster.addresses["spare"], "g2": cluster.addresses["spare2"]}, where
-    # Each replica's places, and what ended each.
-    history = {g: [(s["address"], s["ended_by"] and s["ended_by"].split(" (")[0]) for s in lives]
-               for g, lives in summary["placement_history"].items()}  # fmt: skip
-    assert history == {"g0": [(at["g0"], "node drained")],
-                       "g1": [(at["g1"], "node lost"), (cluster.addresses["spare"], None)],
-                       "g2": [(cluster.addresses["spare2"], None)]}, history  # fmt: skip
-    assert summary["replica_restarts"] == {"g1": 1, "g2": 0}, summary["replica_restarts"]
-    # The faults, each with the seconds until the replica (or its replacement) served again.
-    faults = {f["who"]: f for f in summary["faults"]}
-    assert set(faults) == {"g0", "g1"} and len(summary["faults"]) == 2, summary["faults"]
-    assert faults["g1"]["what"].startswith(f"node lost ({at['g1']}: ") and faults["g1"]["recovered_s"] > 0
-    assert faults["g0"]["what"] == f"node drained ({at['g0']})" and faults["g0"]["recovered_s"] > 0
-    # The drain: g0 finished what it had in flight before it stopped, and g2 took its place.
-    (event,) = summary["scale_events"]
-    assert event["replicas"] == ["g0", "g2"] and event["reason"].startswith("g0 replaced: its node"), event
-    assert event["drain"]["g0"]["in_flight_left"] == 0 and event["error"] is None, event
-    # One replica across its lives: g1 kept the requests and versions of its first life.
-    assert summary["requests"]["g1"] > 0 and summary["requests"]["g2"] > 0, summary["requests"]
-    assert f"{run}-v1" in summary["versions_loaded"]["g1"], summary["versions_loaded"]["g1"]
-    assert summary["versions_published"][-1] in summary["versions_loaded"]["g1"]
-    # The summary table (the stopped driver had no time to print it; `rl-cluster summary` does).
-    table = subprocess.run([sys.executable, "-m", "rl_cluster.cli", "summary", run, "--bucket", str(bucket)],
-                           capture_output=True, text=True, cwd=REPO, timeout=120)  # fmt: skip
-    assert table.returncode == 0, table.stderr
-    rows = [" ".join(line.split()) for line in table.stdout.splitlines()]
-    assert f"generator g1 on {where['g1']} (before: {at['g1']})" in rows, table.stdout
-    assert any(r.startswith("fault, g1 node lost") for r in rows), table.stdout
-    assert any(r.startswith("fault, g0 node drained") for r in rows), table.stdout
-
-    deadline = time.monotonic() + 60
-    while cluster.vllm_pids() and time.monotonic() < deadline:
-        time.sleep(1)
-    assert not cluster.vllm_pids(), "a vLLM server outlived `ray job stop`"
-
-
 def pids_running(cluster: NamespaceCluster, node: str, marker: bytes) -> list[int]:
     """Processes in `node`'s namespace whose command line contains `marker`."""
     found = []
@@ -496,6 +422,190 @@ def alive(pid: int) -> bool:
         return False
 
 
+CHAOS_STEPS = 480  # the faults are over near step 360 here; the rest is margin
+
+
+def engine_cores(cluster: NamespaceCluster, node: str) -> list[int]:
+    """vLLM's engine-core processes in `node`'s namespace (their process name, not their command line)."""
+    found = []
+    for pid in cluster.pids()[node]:
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::Engine"):
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def test_a_chaos_run_finishes_every_step_through_what_a_cloud_does_to_it(cluster, hub_env, tmp_path):
+    """One run through `ray job submit`, dealt a schedule of faults while it trains; each phase waits until
+    the run recovered from the one before:
+    (1) g0's engine core SIGKILLed, and g1's vLLM SIGSTOPped for 60 s, at once (no replica serves for a
+        while: the proxy holds the requests); each generator restarts its server.
+    (2) the proxy's process SIGKILLed: Ray restarts it, the pool controller restores it.
+    (3) at once: g0's generator actor SIGKILLed (Ray restarts it on its node), g1's node cut off the network
+        for 30 s (its link down: nothing refused, nothing answers), and the trainer's node lost (Ray restarts
+        the trainer on the second trainer node, which resumes from the newest checkpoint).
+    (4) at once: g1's node lost (every process SIGKILLed, as a preempted spot machine), and g0's node gets
+        a preemption notice (Ray's drain, with a deadline): g1 comes back on a spare node; g0 finishes what
+        it has in flight and leaves, its replacement starts at once on the other spare, and the drained node
+        goes at its deadline. No replica serves until one of them does.
+    The run finishes every step with served = trained and no group failed, and summary.json lists each
+    fault, whom it hit and how long until it was over."""
+    bucket, run, job = tmp_path / "bucket", "mn-chaos", "rlc-chaos"
+    submit(cluster, job, hub_env, [f"run_name={run}", f"bucket.uri={bucket}", f"model.path={HUB_ID}",
+                                   f"trainer.max_steps={CHAOS_STEPS}", "trainer.checkpoint_every=5",
+                                   "trainer.max_new_tokens=16"])  # fmt: skip
+    at = {g: wait_for_log(cluster, job, rf"generator {g} +on (\S+)", 900).group(1) for g in ("g0", "g1")}
+    node_of = {g: next(n for n, a in cluster.addresses.items() if a == at[g]) for g in at}
+    wait_for_log(cluster, job, r"trainer +on ", 900)
+    cluster.join("trainer2")  # the second trainer node
+    wait_for_log(cluster, job, rf"step +5/{CHAOS_STEPS}", 900)
+    took: dict[str, float] = {}
+
+    began = time.monotonic()
+
+    def mark() -> tuple[int, float]:
+        logs = job_logs(cluster, job)
+        step = re.findall(rf"step +(\d+)/{CHAOS_STEPS}", logs)[-1]
+        print(f"\nchaos run: a phase begins at step {step}, {time.monotonic() - began:.0f} s in", flush=True)
+        return len(logs), time.monotonic()
+
+    def trains_on(after: int) -> None:  # training went on after the phase: two more steps
+        steps = re.findall(rf"step +(\d+)/{CHAOS_STEPS}", job_logs(cluster, job))
+        wait_for_log(cluster, job, rf"step +{int(steps[-1]) + 2}/{CHAOS_STEPS}", 600, after)
+
+    # (1) an engine core killed, and a vLLM frozen for 60 s
+    logged, t0 = mark()
+    frozen = cluster.vllm_pids()[node_of["g1"]]
+    (core,) = engine_cores(cluster, node_of["g0"])
+    os.kill(core, signal.SIGKILL)
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    # vLLM's API server exits when its engine core died, or stays up answering 503: restarted either way.
+    wait_for_log(cluster, job, r"replica g0: vLLM server (exited with code -?\d+|failed /health 3 times in a row); "
+                               r"restart 1/", 120, logged)  # fmt: skip
+    wait_for_log(
+        cluster, job, r"replica g1: vLLM server failed /health 3 times in a row; restart 1/", 120, logged
+    )
+    wait_for_log(cluster, job, r"replica g0: serving again", 400, logged)
+    took["engine core killed"] = time.monotonic() - t0
+    wait_for_log(cluster, job, r"replica g1: serving again", 400, logged)
+    took["vLLM frozen"] = time.monotonic() - t0
+    time.sleep(max(0.0, t0 + 60 - time.monotonic()))
+    for pid in frozen:  # what is left of them: the generator stopped its frozen server (SIGKILL reaches it)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    trains_on(logged)
+
+    # (2) the proxy killed
+    logged, t0 = mark()
+    (proxy_pid,) = pids_running(cluster, "head", b"ray::ProxyActor")
+    os.kill(proxy_pid, signal.SIGKILL)
+    wait_for_log(cluster, job, r"proxy restarted by Ray: serving again on", 300, logged)
+    took["proxy killed"] = time.monotonic() - t0
+    trains_on(logged)
+
+    # (3) a generator actor killed, a node cut off for 30 s, and the trainer's node lost, at once
+    logged, t0 = mark()
+    (generator_pid,) = pids_running(cluster, node_of["g0"], b"ray::Generator")
+    os.kill(generator_pid, signal.SIGKILL)
+    cluster.cut(node_of["g1"])
+    assert cluster.lose("trainer")
+    wait_for_log(cluster, job, r"replica g1 left routing", 60, logged)
+    time.sleep(max(0.0, t0 + 30 - time.monotonic()))
+    cluster.restore(node_of["g1"])
+    wait_for_log(cluster, job, rf"replica g0: actor died; Ray restarted its generator actor on {at['g0']};", 300,
+                 logged)  # fmt: skip
+    wait_for_log(cluster, job, r"replica g1 back in routing: caught up", 300, logged)
+    took["link cut for 30 s"] = time.monotonic() - t0
+    resumed = wait_for_log(cluster, job, r"trainer restarted by Ray: resuming from checkpoint step (\d+)", 600,
+                           logged)  # fmt: skip
+    wait_for_log(cluster, job, r"replica g0: serving again after its actor's restart", 600, logged)
+    took["generator actor killed"] = time.monotonic() - t0
+    trains_on(resumed.end())
+    took["trainer's node lost"] = time.monotonic() - t0
+
+    # (4) a generator's node lost, and a preemption notice for the other's, at once
+    cluster.join("spare")
+    cluster.join("spare2")
+    spares = {cluster.addresses["spare"], cluster.addresses["spare2"]}
+    logged, t0 = mark()
+    assert cluster.lose(node_of["g1"])
+    drain_node(cluster, node_of["g0"], deadline_s=120)
+    wait_for_log(cluster, job, rf"pool: g0 leaves: its node {at['g0']} is draining \(deadline in", 60, logged)
+    moved = wait_for_log(cluster, job, r"replica g1: node lost \((\S+?)[:)].*?; Ray restarted its "
+                                       r"generator actor on (\S+);", 300, logged)  # fmt: skip
+    assert moved.group(1) == at["g1"] and moved.group(2) in spares, moved.group(0)
+    wait_for_log(cluster, job, r"pool: g0 drained in .* and stopped", 150, logged)
+    wait_for_log(cluster, job, r"replica g1: serving again after its actor's restart", 600, logged)
+    took["generator node lost"] = time.monotonic() - t0
+    wait_for_log(cluster, job, r"pool: \['g2'\] caught up and active", 600, logged)
+    took["preemption notice"] = time.monotonic() - t0
+    cluster.lose(node_of["g0"])  # its deadline: the machine goes (Ray let it go once it was empty)
+    steps_then = re.findall(rf"step +(\d+)/{CHAOS_STEPS}", job_logs(cluster, job))[-1]
+    print("\nchaos run, seconds until the run was over each fault (as this test saw it): "
+          + ", ".join(f"{what} {s:.0f}" for what, s in took.items()) + f"; at step {steps_then}")  # fmt: skip
+
+    status = wait_terminal(cluster, job, 1800)
+    logs = job_logs(cluster, job)
+    assert status == "SUCCEEDED", logs[-6000:]
+    summary = json.loads((bucket / run / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == CHAOS_STEPS
+    steps = [json.loads(line)["step"] for line in (bucket / run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, CHAOS_STEPS + 1))  # every step, each once
+    groups = summary["groups"]
+    assert groups["trained"] == CHAOS_STEPS * 4 and groups["failed"] == 0, (
+        groups
+    )  # no request failed for good
+    assert summary["served_vs_trained_gap"] is not None and summary["served_vs_trained_gap"] <= 1e-3, summary
+    assert (summary["trainer_restarts"], summary["proxy_restarts"]) == (1, 1), summary
+    assert summary["placement"]["trainer"]["address"] == cluster.addresses["trainer2"], summary["placement"]
+    # Each replica's places, and what ended each.
+    history = {g: [(s["address"], s["ended_by"] and s["ended_by"].split(" (")[0]) for s in lives]
+               for g, lives in summary["placement_history"].items()}  # fmt: skip
+    g1_now, g2_at = history["g1"][-1][0], history["g2"][0][0]
+    assert {g1_now, g2_at} == spares, history  # one spare each
+    assert history == {"g0": [(at["g0"], "actor died"), (at["g0"], "node drained")],
+                       "g1": [(at["g1"], "node lost"), (g1_now, None)], "g2": [(g2_at, None)]}, history  # fmt: skip
+    # g1: its server, then its node (g0, drained, has left the pool).
+    assert summary["replica_restarts"] == {"g1": 2, "g2": 0}, summary["replica_restarts"]
+    # Every fault, whom it hit, and the seconds until it was over.
+    faults = sorted((f["who"], f["what"].split(" (")[0]) for f in summary["faults"])
+    assert faults == [("g0", "actor died"), ("g0", "node drained"), ("g0", "vLLM server restarted"),
+                      ("g1", "node lost"), ("g1", "out of routing"), ("g1", "vLLM server restarted"),
+                      ("proxy", "proxy restarted by Ray"), ("trainer", "trainer restarted by Ray")], summary["faults"]  # fmt: skip
+    assert all(f["recovered_s"] is not None and f["recovered_s"] > 0 for f in summary["faults"]), summary[
+        "faults"
+    ]
+    what = {(f["who"], f["what"].split(" (")[0]): f["what"] for f in summary["faults"]}
+    assert what[("g0", "vLLM server restarted")].startswith("vLLM server restarted (vLLM server "), what
+    assert what[("g1", "vLLM server restarted")] == (
+        "vLLM server restarted (vLLM server failed /health 3 times in a row)"
+    )
+    assert what[("g1", "out of routing")] == "out of routing (health check failed: no answer within 10 s)", (
+        what
+    )
+    assert what[("trainer", "trainer restarted by Ray")] == (
+        f"trainer restarted by Ray (from checkpoint step {resumed.group(1)})"
+    )
+    # The summary table the driver printed says the same.
+    rows = [" ".join(line.split()) for line in logs.splitlines()]
+    assert any(r.startswith("fault, trainer trainer restarted by Ray") and "training again after" in r
+               for r in rows), logs[-4000:]  # fmt: skip
+    assert any(r.startswith("fault, g1 out of routing (health check failed: no answer") for r in rows), logs[
+        -4000:
+    ]
+    # Both replicas that end the run served, and hold the newest version.
+    assert summary["requests"]["g1"] > 0 and summary["requests"]["g2"] > 0, summary["requests"]
+    assert all(summary["versions_published"][-1] in summary["versions_loaded"][g] for g in ("g1", "g2"))
+
+    deadline = time.monotonic() + 60
+    while cluster.vllm_pids() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not cluster.vllm_pids(), "a vLLM server outlived the run"
+
+
 def wait_for_file(path: Path, timeout_s: float) -> None:
     """Finely: a run's checkpoint is committed by its manifest, and a test may have to act at once."""
     deadline = time.monotonic() + timeout_s
@@ -510,41 +620,56 @@ def adapter_tensors(path: Path) -> dict:
     return load_file(path / "adapter_model.safetensors")
 
 
-def test_a_killed_trainer_and_a_killed_driver_resume(cluster, hub_env, tmp_path):
-    """(a) SIGKILL the trainer actor's process: Ray restarts it, it resumes from the newest checkpoint
-    and the run completes. (b) SIGKILL the driver of a run continued with --resume: the job dies, and
-    --resume once more takes it to its max_steps. Versions are never renumbered; the resumed policy is
-    the checkpoint's (its first published adapter holds the checkpoint's weights, bit for bit)."""
+def test_a_killed_trainer_a_stopped_job_and_a_killed_driver_resume(cluster, hub_env, tmp_path):
+    """(a) SIGKILL the trainer actor's process: Ray restarts it, it resumes from the newest checkpoint;
+    then `ray job stop` ends the run with its summary written and nothing left running. (b) SIGKILL the
+    driver of the run continued with --resume: the job dies, and (c) --resume once more takes it to its
+    max_steps. Versions are never renumbered; the resumed policy is the checkpoint's (its first published
+    adapter holds the checkpoint's weights, bit for bit)."""
     bucket, run = tmp_path / "bucket", "mn-resume"
     keep = [f"bucket.uri={bucket}", f"model.path={HUB_ID}", "trainer.checkpoint_every=4",
             "trainer.keep_checkpoints=20", "bucket.keep_every=1"]  # fmt: skip
-    submit(cluster, "rlc-res-a", hub_env, [f"run_name={run}", "trainer.max_steps=16", *keep])
+    submit(cluster, "rlc-res-a", hub_env, [f"run_name={run}", "trainer.max_steps=24", *keep])
     # Killed as soon as checkpoint 8 is committed (its manifest): polling the job's log took seconds a
     # round, and a fast trainer had finished all 16 steps before the kill landed (then its restart
     # resumes at max_steps and trains nothing, which is right, but not this test).
     wait_for_file(bucket / run / "checkpoints" / "step-8" / "manifest.json", 900)
-    (trainer_pid,) = pids_running(cluster, "trainer", b"ray::Trainer")
-    rollout_children = [p for p in cluster.pids()["trainer"] if parent_pid(p) == trainer_pid]
+    # The trainer's node: the chaos run before may have moved it to the second trainer node.
+    (node,) = (n for n in sorted(cluster.up) if pids_running(cluster, n, b"ray::Trainer"))
+    (trainer_pid,) = pids_running(cluster, node, b"ray::Trainer")
+    rollout_children = [p for p in cluster.pids()[node] if parent_pid(p) == trainer_pid]
     assert rollout_children  # TRL's rollout worker, a spawned process of the trainer
-    cluster.run("trainer", ["kill", "-9", str(trainer_pid)])
+    cluster.run(node, ["kill", "-9", str(trainer_pid)])
     resumed = wait_for_log(cluster, "rlc-res-a", r"trainer restarted by Ray: resuming from checkpoint step (\d+); "
                                                  r"versions continue after v(\d+)", 600)  # fmt: skip
-    assert wait_terminal(cluster, "rlc-res-a", 900) == "SUCCEEDED", job_logs(cluster, "rlc-res-a")[-6000:]
-    summary = json.loads((bucket / run / "summary.json").read_text())
     ckpt, highest = int(resumed.group(1)), int(resumed.group(2))
+    # Stopped once the restarted trainer committed a checkpoint of its own.
+    wait_for_file(bucket / run / "checkpoints" / f"step-{ckpt + 4}" / "manifest.json", 600)
+    cluster.run("head", ["ray", "job", "stop", "--address", cluster.dashboard, "rlc-res-a"], timeout=120)
+    assert wait_terminal(cluster, "rlc-res-a", 120) == "STOPPED"
+    summary = json.loads((bucket / run / "summary.json").read_text())
     assert ckpt >= 8 and highest > ckpt  # versions were published after the checkpoint
     assert (summary["status"], summary["trainer_restarts"], summary["resumed_from_step"]) == (
-        "finished",
+        "stopped",
         1,
         ckpt,
     )
-    assert (
-        summary["steps"] == 16 and summary["groups"]["trained"] == 16 * 4 and summary["groups"]["failed"] == 0
-    )
+    assert ckpt + 4 <= summary["steps"] < 24 and summary["groups"]["failed"] == 0, summary
     numbers = [int(name.rsplit("-v", 1)[1]) for name in summary["versions_published"]]
     # The record up to the checkpoint, then versions after the highest ever published (the ones published
     # between the checkpoint and the kill belong to training that was thrown away).
-    assert numbers == [*range(1, ckpt + 2), *range(highest + 1, highest + 2 + 16 - ckpt)], numbers
+    assert numbers[: ckpt + 1] == list(range(1, ckpt + 2)), numbers
+    assert numbers[ckpt + 1 :] == list(range(highest + 1, highest + 1 + len(numbers) - ckpt - 1)), numbers
+    assert len(numbers) - ckpt - 1 >= 4, numbers
+    # The summary table (the stopped driver had no time to print it; `rl-cluster summary` does).
+    table = subprocess.run([sys.executable, "-m", "rl_cluster.cli", "summary", run, "--bucket", str(bucket)],
+                           capture_output=True, text=True, cwd=REPO, timeout=120)  # fmt: skip
+    assert table.returncode == 0, table.stderr
+    assert any(" ".join(line.split()) == "status stopped" for line in table.stdout.splitlines()), table.stdout
+    deadline = time.monotonic() + 60
+    while cluster.vllm_pids() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not cluster.vllm_pids(), "a vLLM server outlived `ray job stop`"
     first_after = f"{run}-v{highest + 1}"
     # The restarted trainer starts from the checkpoint's policy, not from the base model.
     restored = adapter_tensors(bucket / run / "adapters" / first_after)
@@ -554,9 +679,10 @@ def test_a_killed_trainer_and_a_killed_driver_resume(cluster, hub_env, tmp_path)
     # No orphan: the killed trainer's rollout child went with it.
     assert not [p for p in rollout_children if alive(p)], rollout_children
 
-    # (b) continue the finished run to 28 steps; kill that job's driver midway.
-    submit(cluster, "rlc-res-b", hub_env, ["--resume", run, "trainer.max_steps=28", *keep])
-    wait_for_file(bucket / run / "checkpoints" / "step-20" / "manifest.json", 900)
+    # (b) continue the stopped run to 32 steps; kill that job's driver midway.
+    later = (summary["steps"] // 4 + 1) * 4  # a checkpoint job (b) makes
+    submit(cluster, "rlc-res-b", hub_env, ["--resume", run, "trainer.max_steps=32", *keep])
+    wait_for_file(bucket / run / "checkpoints" / f"step-{later}" / "manifest.json", 900)
     drivers = pids_running(cluster, "head", b"--resume " + run.encode())  # the entrypoint (and its shell)
     assert drivers
     cluster.run("head", ["kill", "-9", *map(str, drivers)])
@@ -566,12 +692,12 @@ def test_a_killed_trainer_and_a_killed_driver_resume(cluster, hub_env, tmp_path)
         time.sleep(1)
     assert not cluster.vllm_pids(), "a vLLM server outlived its killed driver"
 
-    submit(cluster, "rlc-res-c", hub_env, ["--resume", run, "trainer.max_steps=28", *keep])
+    submit(cluster, "rlc-res-c", hub_env, ["--resume", run, "trainer.max_steps=32", *keep])
     assert wait_terminal(cluster, "rlc-res-c", 900) == "SUCCEEDED", job_logs(cluster, "rlc-res-c")[-6000:]
     summary = json.loads((bucket / run / "summary.json").read_text())
-    assert summary["status"] == "finished" and summary["resumed_from_step"] >= 20
+    assert summary["status"] == "finished" and summary["resumed_from_step"] >= later
     steps = [json.loads(line)["step"] for line in (bucket / run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 29))  # the whole history, each step once
+    assert steps == list(range(1, 33))  # the whole history, each step once
     # Every version ever published is unique, and numbering only went up across the three jobs.
     versions = sorted(int(p.name.rsplit("-v", 1)[1]) for p in (bucket / run / "adapters").iterdir())
     assert versions == list(range(1, versions[-1] + 1))

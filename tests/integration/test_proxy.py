@@ -352,6 +352,24 @@ async def test_load_retries_not_found_until_deadline(start_proxy, vllm_servers, 
     assert proxy2.stats()["adapters_routable"] == []
 
 
+async def test_a_load_that_reached_the_replica_already_counts_as_loaded(vllm_servers, adapter_dir):
+    """vllm_compat item 5: vLLM refuses a second load of a name it holds (400), which a load that arrived
+    late (sent across a partition, given up on, sent again by the catch-up) meets; the loader takes it as
+    loaded, since a name never stands for other weights."""
+    server, name = vllm_servers[0], unique("twice")
+    loader = HttpAdapterLoader(server.url)
+    await loader.load_adapter(name, str(adapter_dir))
+    try:
+        status, body = await post_json(
+            f"{server.url}/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dir)}
+        )
+        assert status == 400 and "has already been loaded" in json.dumps(body), (status, body)  # vLLM's own
+        await loader.load_adapter(name, str(adapter_dir))  # the loader's: done
+        assert name in await replica_models(server)
+    finally:
+        await loader.unload_adapter(name)
+
+
 async def test_unload_waits_for_in_flight(start_proxy, vllm_servers, adapter_dir):
     proxy, url = await start_proxy()
     name = unique("drain")

@@ -81,3 +81,21 @@ def test_the_table_names_each_fault_and_where_a_moved_replica_was_before():
     assert "fault, g1 node lost (10.0.0.3); serving again after 40 s" in rows
     assert "fault, proxy proxy restarted by Ray; serving again after 8 s" in rows
     assert "generator g1 on 10.0.0.5 (before: 10.0.0.3)" in rows
+
+
+def test_the_proxys_reason_names_a_fault_until_someone_who_knows_more_does():
+    h = ReplicaHistory()
+    h.observe("g0", serving=True, now=1.0)
+    h.observe(
+        "g0", serving=False, why="health check failed: timeout", now=5.0
+    )  # a link cut: nobody knows more
+    h.observe("g0", serving=True, now=40.0)
+    h.observe("g1", serving=True, now=1.0)
+    h.observe("g1", serving=False, why="health check failed: timeout", now=5.0)
+    h.cause("g1", "vLLM server restarted (vLLM server failed /health 3 times in a row)")
+    h.observe("g1", serving=False, why="its server was restarted", now=9.0)  # the cause stays
+    h.observe("g1", serving=True, now=50.0)
+    assert [(f["who"], f["what"], f["recovered_s"]) for f in h.fault_list()] == [
+        ("g0", "out of routing (health check failed: timeout)", 35.0),
+        ("g1", "vLLM server restarted (vLLM server failed /health 3 times in a row)", 45.0),
+    ]

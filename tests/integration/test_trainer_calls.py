@@ -1,0 +1,69 @@
+"""The driver's call of the trainer across the trainer's deaths (rl_cluster.run.train_through_restarts), on
+a real local Ray: a killed actor that Ray restarts is asked again and its new life answers; one that Ray
+will not restart ends the call with Ray's error instead of waiting for ever. (The node-loss case, where
+Ray's own retry of the call would be spent on the dead address, is the chaos run's, in
+tests/e2e/test_multinode.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from rl_cluster.run import train_through_restarts
+
+pytestmark = pytest.mark.vllm  # the slow lane: it starts a Ray cluster
+
+
+@ray.remote(max_restarts=1)
+class Lives:
+    """Stands in for the trainer actor: run() writes its pid, then trains (sleeps) until it is killed,
+    unless it is a life Ray restarted."""
+
+    def __init__(self, pid_file: str):
+        self.pid_file = Path(pid_file)
+
+    def run(self, resume: bool = False) -> dict:
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self.pid_file.write_text(str(os.getpid()))
+        if not restarted:
+            time.sleep(600)
+        return {"restarted": restarted, "resume": resume}
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(address="local", num_cpus=2, include_dashboard=True)  # the state API needs the dashboard
+    yield
+    ray.shutdown()
+
+
+def kill_when_running(pid_file: Path) -> None:
+    deadline = time.monotonic() + 60
+    while not pid_file.exists():
+        assert time.monotonic() < deadline, "the actor never ran"
+        time.sleep(0.1)
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    pid_file.unlink()
+
+
+async def test_a_killed_trainer_is_asked_again_and_its_restarted_life_answers(local_ray, tmp_path):
+    pid_file = tmp_path / "pid"
+    actor = Lives.remote(str(pid_file))
+    call = asyncio.create_task(train_through_restarts(actor, resume=True))
+    await asyncio.to_thread(kill_when_running, pid_file)
+    assert await asyncio.wait_for(call, 120) == {"restarted": True, "resume": True}
+
+
+async def test_a_trainer_ray_will_not_restart_ends_the_call_with_rays_error(local_ray, tmp_path):
+    pid_file = tmp_path / "pid"
+    actor = Lives.options(max_restarts=0).remote(str(pid_file))
+    call = asyncio.create_task(train_through_restarts(actor, resume=False))
+    await asyncio.to_thread(kill_when_running, pid_file)
+    with pytest.raises(ray.exceptions.RayActorError):
+        await asyncio.wait_for(call, 120)
