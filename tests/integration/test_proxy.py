@@ -231,9 +231,10 @@ async def test_openai_client_through_proxy(start_proxy, tiny_model_dir):
         model=model, prompt="1+1", max_tokens=12, stream=True, extra_body={"ignore_eos": True}
     )
     chunks = [chunk async for chunk in stream]
-    # Passed through as they come: several events (vLLM may pack tokens into one event under load),
-    # ending where the 12 tokens ran out.
-    assert len(chunks) >= 3
+    # Server-sent events passed through, ending where the 12 tokens ran out. How many events vLLM sends is
+    # its own (on a loaded machine all 12 tokens came in one: CI's run of this stop): that events pass as
+    # they come, before the stream is over, is test_proxy_failover's mid-stream kill.
+    assert len(chunks) >= 1
     assert chunks[-1].choices[0].finish_reason == "length"
     assert "".join(c.choices[0].text for c in chunks if c.choices)
 
