@@ -271,12 +271,12 @@ async def test_demand_grows_the_pool_onto_a_new_node_and_idleness_shrinks_it(clu
         v1 = await publish_and_load(http, served, 1)
         assert set((await replicas(http, served))["replicas"]) == {"g0"}
 
-        # 8 in flight on one replica: above 3. Long answers, so that the count stays above 3 between
-        # answers also when this process gets little CPU (short ones let a sample dip, and a dip restarts
-        # the 3 s window: CI saw no decision within 60 s).
-        load = Load(http, served, workers=8, max_tokens=96)
+        # 16 in flight on one replica: well above 3. Long answers, so that the count stays above 3 between
+        # answers also when this process gets little CPU (a sample that dips restarts the 3 s window: CI
+        # saw no decision within 60 s, once with 8 clients of which only 3 were in flight at the proxy).
+        load = Load(http, served, workers=16, max_tokens=96)
         try:
-            demand = asyncio.to_thread(wait_for_line, served.log, r"pool: 1 -> 2 replicas \(demand", 60)
+            demand = asyncio.to_thread(wait_for_line, served.log, r"pool: 1 -> 2 replicas \(demand", 120)
             await explained(demand, load, http, served)
             decided = time.monotonic()
             # Decided: a trickle now, so that two cores are not all busy while a node and a vLLM start.

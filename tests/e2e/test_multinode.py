@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -29,9 +30,6 @@ from cluster.hub import write_hub_cache
 from cluster.metric_names import all_metric_names
 from cluster.netns import NamespaceCluster
 from prometheus_client.parser import text_string_to_metric_families
-
-from rl_cluster.bucket import Bucket
-from rl_cluster.experience import load_experience
 
 pytestmark = pytest.mark.vllm
 
@@ -214,16 +212,12 @@ def replica_routes(cluster, url: str, key: str) -> list[tuple[str, str]]:
     return sorted(routes)
 
 
-def test_ray_job_submit_across_four_nodes(cluster, hub_env, tmp_path):
-    bucket, run = tmp_path / "bucket", "mn-demo"
-    submitted = time.monotonic()
-    submit(cluster, "rlc-demo", hub_env, [f"run_name={run}", f"bucket.uri={bucket}", f"model.path={HUB_ID}",
-                                          "trainer.max_steps=60", "trainer.keep_checkpoints=1"])  # fmt: skip
-    proxy_url = wait_for_log(cluster, "rlc-demo", r"proxy listening on (http://\S+);", 600).group(1)
-    wait_for_log(cluster, "rlc-demo", r"step +1/60", 600)
-    to_first_step = time.monotonic() - submitted
-
-    # --- seen from the trainer's node while the run trains -------------------------------------------
+def look_from_other_nodes(cluster: NamespaceCluster, proxy_url: str, run: str) -> list[str]:
+    """While the run trains, before any fault: each replica's vLLM on its own node's address refuses every
+    route without the run's key, seen from the trainer's node; the proxy's routes but /health and /metrics
+    refuse anyone without the run's token, seen from a generator's node; the driver's secrets reached the
+    actors on the other nodes; every rl_cluster metric is in Ray's export of the node its actor runs on.
+    Returns the replicas' keys (no log may show them)."""
     servers = vllm_servers(cluster)
     assert set(servers) == {"gen0", "gen1"}, servers
     for node, (url, key) in servers.items():
@@ -251,7 +245,6 @@ def test_ray_job_submit_across_four_nodes(cluster, hub_env, tmp_path):
     for route, (anonymous, wrong, _) in proxy_routes.items():
         expected = (200, 200) if route in ("GET /health", "GET /metrics") else (401, 401)
         assert (anonymous, wrong) == expected, route
-    keys = [key for _, key in servers.values()]
 
     # Ray's own metrics export, on each node: every rl_cluster metric of this run, from the actor there.
     expected = all_metric_names() - NOT_IN_THE_DEMO
@@ -266,100 +259,13 @@ def test_ray_job_submit_across_four_nodes(cluster, hub_env, tmp_path):
     assert found["ray_rl_generator_adapters_loaded"]["gen0"] >= 1
     assert found["ray_rl_trainer_staleness_count"]["trainer"] >= 8  # every pulled sample observed
     assert found["ray_rl_proxy_requests_total"]["head"] > 0
+    return [key for _, key in servers.values()]
 
-    # --- the run's end --------------------------------------------------------------------------------
-    status = wait_terminal(cluster, "rlc-demo", 1500)
-    logs = job_logs(cluster, "rlc-demo")
-    assert status == "SUCCEEDED", logs[-6000:]
-    print(f"\nray job submit -> first training step: {to_first_step:.0f} s")
-    assert "step   60/60" in logs and "reward, last fifth" in logs
-    # A quieter console: progress lines and the summary, without wandb's or transformers' chatter or colour
-    # codes around the actors' prefixes (a file is no terminal; Ray's own connect line has some).
-    noise = [n for n in ("wandb: ", "there is already one") if n in logs]
-    assert not noise and not re.search(r"\x1b\[[0-9;]*m\(", logs), (noise, logs[:6000])
 
-    run_dir = bucket / run
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "finished" and summary["steps"] == 60
-    # Every group accounted for: 4 per step trained; what was generated but not trained or dropped is
-    # what admission let start for the steps after the last (within max_staleness + 1 steps' worth).
-    groups = summary["groups"]
-    assert groups["trained"] == 60 * 4 and groups["failed"] == 0, groups
-    assert 0 <= groups["generated"] - groups["trained"] - groups["dropped_stale"] <= 3 * 4, groups
-
-    # The experience store holds exactly the groups the summary counts, and agrees with metrics.jsonl.
-    rows = load_experience(Bucket(str(bucket)), run, cache_dir=tmp_path / "cache").to_list()
-    stored = {
-        fate: {(r["segment"], r["group_id"]) for r in rows if r["trained"] is fate} for fate in (True, False)
-    }
-    assert (len(stored[True]), len(stored[False])) == (groups["trained"], groups["dropped_stale"]), groups
-    assert summary["experience"]["groups"] == len(stored[True] | stored[False])
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    trained_rows = [r for r in rows if r["trained"]]
-    assert len(trained_rows) == 60 * 32  # completions_per_step of the demo
-    assert statistics.mean(r["reward"] for r in trained_rows) == pytest.approx(
-        statistics.mean(s["reward"] for s in steps), abs=1e-6
-    )
-    assert statistics.mean(r["staleness"] for r in trained_rows) == pytest.approx(
-        statistics.mean(s["staleness"] for s in steps), abs=1e-6
-    )
-    table = subprocess.run([sys.executable, "-m", "rl_cluster.experience", run, "--bucket", str(bucket),
-                            "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, cwd=REPO,
-                           timeout=120)  # fmt: skip
-    assert table.returncode == 0, table.stderr
-    total = table.stdout.strip().splitlines()[-1].split()
-    assert total[0] == "all" and int(total[3]) == groups["trained"], table.stdout
-    # The W&B run, offline beside the run's files.
-    assert [p.stat().st_size > 0 for p in run_dir.glob("wandb/offline-run-*/run-*.wandb")] == [True]
-
-    # Placement: four different nodes used as meant.
-    where = {actor: p["address"] for actor, p in summary["placement"].items()}
-    assert where["trainer"] == cluster.addresses["trainer"]
-    assert where["proxy"] == cluster.addresses["head"]
-    assert {where["generator g0"], where["generator g1"]} == {
-        cluster.addresses["gen0"],
-        cluster.addresses["gen1"],
-    }
-
-    # Reward rose: the last fifth beats the first, and so does the whole second half.
-    rewards = [json.loads(line)["reward"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert summary["reward_last_fifth"] - summary["reward_first_fifth"] >= 0.1, summary
-    assert statistics.mean(rewards[30:]) > statistics.mean(rewards[:30]) + 0.05, rewards
-
-    # sync_every = 1: TRL publishes the initial adapter before step 1, then one version per step; every
-    # one loaded on both replicas, and both replicas served requests.
-    published = summary["versions_published"]
-    assert published == [f"{run}-v{v}" for v in range(1, 62)]
-    for replica, loaded in summary["versions_loaded"].items():
-        assert set(published) <= set(loaded), (replica, sorted(set(published) - set(loaded)))
-    assert len(summary["requests"]) == 2 and all(n > 0 for n in summary["requests"].values()), summary
-    # The engines' own prefix-cache counters, read from each replica's vLLM /metrics at the end.
-    cache = summary["prefix_cache"]
-    assert set(cache["replicas"]) == set(summary["requests"]), cache
-    assert all(c["queries"] > 0 and 0 <= c["hits"] <= c["queries"] for c in cache["replicas"].values()), cache
-    assert 0.0 <= cache["hit_rate"] <= 1.0 and "prefix cache hits" in logs
-
-    for name in published[-3:]:  # the newest adapters are in the bucket, each with its manifest
-        manifest = json.loads((run_dir / "adapters" / name / "manifest.json").read_text())
-        assert manifest["version"] == int(name.rsplit("-v", 1)[1])
-        assert manifest["base_model"] == HUB_ID
-        assert (run_dir / "adapters" / name / "adapter_model.safetensors").exists()
-
-    # Packed attention (our CPU replacement of TRL's kernel) scores step 1's tokens as the sampler did.
-    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
-    assert first["kl"] is not None and abs(first["kl"]) < 1e-4, first
-
-    # Checkpoints every 50 steps and at the end, committed by their manifests; keep_checkpoints = 1 deleted
-    # step 50 once step 60 was published, and the summary lists only what is still there.
-    assert [Path(uri).name for uri in summary["checkpoints"]] == ["step-60"]
-    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-60"]
-    manifest = json.loads((run_dir / "checkpoints" / "step-60" / "manifest.json").read_text())
-    assert {"adapter_model.safetensors", "optimizer.pt", "trainer_state.json"} <= set(manifest["files"])
-
-    assert summary["served_vs_trained_gap"] is not None and summary["served_vs_trained_gap"] <= 1e-3
-
-    # The replica keys and the driver's secrets never reach a log, the resolved config or the summary.
-    # Every node's Ray directory: its logs, and the job's working directory with the vLLM logs.
+def no_secret_shown(cluster: NamespaceCluster, run_dir: Path, logs: str, keys: list[str]) -> None:
+    """The replica keys and the driver's secrets never reach a log, the resolved config or the summary
+    (every node's Ray directory: its logs, and the job's working directory with the vLLM logs), nor any
+    view Ray gives of the job: the job API and the state API (actors, tasks, placement groups)."""
     secrets = [*keys, *HEAD_SECRETS.values()]
     written = [*run_dir.glob("*.json*"), *(p for node in NODES for p in cluster.ray_dir(node).rglob("*"))]
     assert any(p.name.startswith("vllm-g") for p in written)  # the scan reaches the replicas' own logs
@@ -368,17 +274,59 @@ def test_ray_job_submit_across_four_nodes(cluster, hub_env, tmp_path):
             text = path.read_text(errors="replace")
             assert not any(secret in text for secret in secrets), f"a secret leaked into {path}"
     assert all(secret not in logs for secret in secrets)
-    # Nor any view Ray gives of the job: the job API and the state API (actors, tasks, placement groups).
     views = ray_views(cluster)
     assert "TRL_EXPERIMENTAL_SILENCE" in views["actors"]  # the views do show a runtime_env's env_vars
     for view, text in views.items():
         assert not any(secret in text for secret in secrets), f"a secret is shown by Ray's {view}"
 
-    # No vLLM process outlives the run, on any node.
-    deadline = time.monotonic() + 45
-    while cluster.vllm_pids() and time.monotonic() < deadline:
-        time.sleep(1)
-    assert not cluster.vllm_pids()
+
+def a_finished_run(run_dir: Path, summary: dict, logs: str, keep_checkpoints: int, every: int) -> None:
+    """What a run that ended leaves, whatever it went through: a quiet console with the summary, rewards
+    that rose, every version numbered once in order, the newest adapters and checkpoints (one each
+    `every` steps) with their manifests, the prefix-cache counters, the W&B run offline beside the run's
+    files."""
+    steps = summary["steps"]
+    assert re.search(rf"step +{steps}/", logs) and "reward, last fifth" in logs
+    # A quieter console: progress lines and the summary, without wandb's or transformers' chatter or colour
+    # codes around the actors' prefixes (a file is no terminal; Ray's own connect line has some).
+    noise = [n for n in ("wandb: ", "there is already one") if n in logs]
+    assert not noise and not re.search(r"\x1b\[[0-9;]*m\(", logs), (noise, logs[:6000])
+    # Reward rose: the last fifth beats the first, and so does the whole second half.
+    rewards = [json.loads(line)["reward"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert summary["reward_last_fifth"] - summary["reward_first_fifth"] >= 0.1, summary
+    half = len(rewards) // 2
+    assert statistics.mean(rewards[half:]) > statistics.mean(rewards[:half]) + 0.05, rewards
+    # Packed attention (our CPU replacement of TRL's kernel) scores step 1's tokens as the sampler did.
+    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["kl"] is not None and abs(first["kl"]) < 1e-4, first
+    # Versions are numbered in order and never reused (a restarted trainer skips what its dead life
+    # published after its checkpoint); the newest adapters are in the bucket, each with its manifest.
+    published = [int(name.rsplit("-v", 1)[1]) for name in summary["versions_published"]]
+    assert published[0] == 1 and published == sorted(set(published)) and len(published) >= steps + 1, (
+        published
+    )
+    for name in summary["versions_published"][-3:]:
+        manifest = json.loads((run_dir / "adapters" / name / "manifest.json").read_text())
+        assert manifest["version"] == int(name.rsplit("-v", 1)[1])
+        assert manifest["base_model"] == HUB_ID
+        assert (run_dir / "adapters" / name / "adapter_model.safetensors").exists()
+    # The newest checkpoints, committed by their manifests; the summary lists only what is still there.
+    kept = [Path(uri).name for uri in summary["checkpoints"]]
+    newest = int(kept[-1].removeprefix("step-"))
+    assert newest % every == 0 and steps - 2 * every < newest <= steps and len(kept) == keep_checkpoints, kept
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == sorted(kept)
+    manifest = json.loads((run_dir / "checkpoints" / kept[-1] / "manifest.json").read_text())
+    assert {"adapter_model.safetensors", "optimizer.pt", "trainer_state.json"} <= set(manifest["files"])
+    # The engines' own prefix-cache counters, read from each replica's vLLM /metrics at the end.
+    cache = summary["prefix_cache"]
+    assert set(cache["replicas"]) <= set(summary["requests"]) and cache["replicas"], cache
+    assert all(c["queries"] > 0 and 0 <= c["hits"] <= c["queries"] for c in cache["replicas"].values()), cache
+    assert 0.0 <= cache["hit_rate"] <= 1.0 and "prefix cache hits" in logs
+    # The W&B run, offline beside the run's files (one directory per life of the trainer, one run id).
+    assert [p.stat().st_size > 0 for p in run_dir.glob("wandb/offline-run-*/run-*.wandb")] in (
+        [True],
+        [True, True],
+    )
 
 
 NODE_ID = """
@@ -422,7 +370,10 @@ def alive(pid: int) -> bool:
         return False
 
 
-CHAOS_STEPS = 480  # the faults are over near step 360 here; the rest is margin
+# Never reached: the test stops the run (Ctrl-C) once every fault is over. No fixed length fits every
+# machine: the faults were over at step 357 in one run and not yet at step 500 in another (training with
+# one replica is fast on an idle machine), and a margin for the fastest wastes minutes on the slowest.
+CHAOS_STEPS = 5000
 
 
 def engine_cores(cluster: NamespaceCluster, node: str) -> list[int]:
@@ -437,9 +388,10 @@ def engine_cores(cluster: NamespaceCluster, node: str) -> list[int]:
     return found
 
 
-def test_a_chaos_run_finishes_every_step_through_what_a_cloud_does_to_it(cluster, hub_env, tmp_path):
-    """One run through `ray job submit`, dealt a schedule of faults while it trains; each phase waits until
-    the run recovered from the one before:
+def test_a_four_node_job_trains_through_what_a_cloud_does_to_it(cluster, hub_env, tmp_path):
+    """The shortened demo through `ray job submit` on four nodes, with the base model a hub id resolved
+    offline. While it trains, before any fault, it is looked at from other nodes (look_from_other_nodes).
+    Then it is dealt a schedule of faults; each phase waits until the run recovered from the one before:
     (1) g0's engine core SIGKILLed, and g1's vLLM SIGSTOPped for 60 s, at once (no replica serves for a
         while: the proxy holds the requests); each generator restarts its server.
     (2) the proxy's process SIGKILLed: Ray restarts it, the pool controller restores it.
@@ -450,15 +402,21 @@ def test_a_chaos_run_finishes_every_step_through_what_a_cloud_does_to_it(cluster
         a preemption notice (Ray's drain, with a deadline): g1 comes back on a spare node; g0 finishes what
         it has in flight and leaves, its replacement starts at once on the other spare, and the drained node
         goes at its deadline. No replica serves until one of them does.
-    The run finishes every step with served = trained and no group failed, and summary.json lists each
-    fault, whom it hit and how long until it was over."""
+    The run finishes every step with served = trained, no group failed and its reward risen; summary.json
+    lists each fault, whom it hit and how long until it was over; no secret shows anywhere."""
     bucket, run, job = tmp_path / "bucket", "mn-chaos", "rlc-chaos"
+    submitted = time.monotonic()
     submit(cluster, job, hub_env, [f"run_name={run}", f"bucket.uri={bucket}", f"model.path={HUB_ID}",
                                    f"trainer.max_steps={CHAOS_STEPS}", "trainer.checkpoint_every=5",
                                    "trainer.max_new_tokens=16"])  # fmt: skip
+    proxy_url = wait_for_log(cluster, job, r"proxy listening on (http://\S+);", 900).group(1)
     at = {g: wait_for_log(cluster, job, rf"generator {g} +on (\S+)", 900).group(1) for g in ("g0", "g1")}
     node_of = {g: next(n for n, a in cluster.addresses.items() if a == at[g]) for g in at}
-    wait_for_log(cluster, job, r"trainer +on ", 900)
+    assert set(node_of.values()) == {"gen0", "gen1"}, node_of  # one generator node each
+    wait_for_log(cluster, job, rf"trainer +on {cluster.addresses['trainer']}", 900)
+    wait_for_log(cluster, job, rf"step +1/{CHAOS_STEPS}", 900)
+    print(f"\nray job submit -> first training step: {time.monotonic() - submitted:.0f} s")
+    keys = look_from_other_nodes(cluster, proxy_url, run)
     cluster.join("trainer2")  # the second trainer node
     wait_for_log(cluster, job, rf"step +5/{CHAOS_STEPS}", 900)
     took: dict[str, float] = {}
@@ -546,18 +504,24 @@ def test_a_chaos_run_finishes_every_step_through_what_a_cloud_does_to_it(cluster
     steps_then = re.findall(rf"step +(\d+)/{CHAOS_STEPS}", job_logs(cluster, job))[-1]
     print("\nchaos run, seconds until the run was over each fault (as this test saw it): "
           + ", ".join(f"{what} {s:.0f}" for what, s in took.items()) + f"; at step {steps_then}")  # fmt: skip
+    # Training goes on on both replicas for a while, then the run is stopped as a user's Ctrl-C does.
+    wait_for_log(cluster, job, rf"step +{int(steps_then) + 10}/{CHAOS_STEPS}", 600, logged)
+    (driver,) = (pid for pid in pids_running(cluster, "head", b"jobs/train_grpo.py")
+                 if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith(b"python"))  # fmt: skip
+    os.kill(driver, signal.SIGINT)
 
-    status = wait_terminal(cluster, job, 1800)
+    status = wait_terminal(cluster, job, 600)
     logs = job_logs(cluster, job)
-    assert status == "SUCCEEDED", logs[-6000:]
+    assert status == "FAILED" and f"run {run}: stop requested" in logs, logs[-6000:]  # exit status 1: stopped
     summary = json.loads((bucket / run / "summary.json").read_text())
-    assert summary["status"] == "finished" and summary["steps"] == CHAOS_STEPS
+    assert summary["status"] == "stopped" and summary["steps"] > int(steps_then), summary
     steps = [json.loads(line)["step"] for line in (bucket / run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, CHAOS_STEPS + 1))  # every step, each once
-    groups = summary["groups"]
-    assert groups["trained"] == CHAOS_STEPS * 4 and groups["failed"] == 0, (
-        groups
-    )  # no request failed for good
+    # Every step, each once (the trainer trains on while the driver asks each actor for its part of the
+    # summary, and writes metrics.jsonl last: it may hold a step or two more).
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= summary["steps"], (steps[-5:], summary)
+    groups = summary["groups"]  # (the step under way when it stopped may have pulled its groups)
+    assert summary["steps"] * 4 <= groups["trained"] <= (summary["steps"] + 1) * 4, groups
+    assert groups["failed"] == 0, groups  # no request failed for good
     assert summary["served_vs_trained_gap"] is not None and summary["served_vs_trained_gap"] <= 1e-3, summary
     assert (summary["trainer_restarts"], summary["proxy_restarts"]) == (1, 1), summary
     assert summary["placement"]["trainer"]["address"] == cluster.addresses["trainer2"], summary["placement"]
@@ -571,10 +535,18 @@ def test_a_chaos_run_finishes_every_step_through_what_a_cloud_does_to_it(cluster
     # g1: its server, then its node (g0, drained, has left the pool).
     assert summary["replica_restarts"] == {"g1": 2, "g2": 0}, summary["replica_restarts"]
     # Every fault, whom it hit, and the seconds until it was over.
-    faults = sorted((f["who"], f["what"].split(" (")[0]) for f in summary["faults"])
-    assert faults == [("g0", "actor died"), ("g0", "node drained"), ("g0", "vLLM server restarted"),
-                      ("g1", "node lost"), ("g1", "out of routing"), ("g1", "vLLM server restarted"),
-                      ("proxy", "proxy restarted by Ray"), ("trainer", "trainer restarted by Ray")], summary["faults"]  # fmt: skip
+    faults = Counter((f["who"], f["what"].split(" (")[0]) for f in summary["faults"])
+    dealt = Counter([("g0", "actor died"), ("g0", "node drained"), ("g0", "vLLM server restarted"),
+                     ("g1", "node lost"), ("g1", "out of routing"), ("g1", "vLLM server restarted"),
+                     ("proxy", "proxy restarted by Ray"), ("trainer", "trainer restarted by Ray")])  # fmt: skip
+    assert not dealt - faults, summary["faults"]  # each fault dealt is recorded
+    # Besides: a replica whose health probe went unanswered for a while on a loaded machine (CI's slowest
+    # run: g0, once) is a fault too, recorded as such; nothing else may be.
+    for who, kind in faults - dealt:
+        assert kind == "out of routing" and any(
+            f["who"] == who and f["what"].startswith("out of routing (health check failed")
+            for f in summary["faults"]
+        ), summary["faults"]
     assert all(f["recovered_s"] is not None and f["recovered_s"] > 0 for f in summary["faults"]), summary[
         "faults"
     ]
@@ -583,9 +555,9 @@ def test_a_chaos_run_finishes_every_step_through_what_a_cloud_does_to_it(cluster
     assert what[("g1", "vLLM server restarted")] == (
         "vLLM server restarted (vLLM server failed /health 3 times in a row)"
     )
-    assert what[("g1", "out of routing")] == "out of routing (health check failed: no answer within 10 s)", (
-        what
-    )
+    assert "out of routing (health check failed: no answer within 10 s)" in [  # the cut
+        f["what"] for f in summary["faults"] if f["who"] == "g1"
+    ], summary["faults"]
     assert what[("trainer", "trainer restarted by Ray")] == (
         f"trainer restarted by Ray (from checkpoint step {resumed.group(1)})"
     )
@@ -599,6 +571,8 @@ def test_a_chaos_run_finishes_every_step_through_what_a_cloud_does_to_it(cluster
     # Both replicas that end the run served, and hold the newest version.
     assert summary["requests"]["g1"] > 0 and summary["requests"]["g2"] > 0, summary["requests"]
     assert all(summary["versions_published"][-1] in summary["versions_loaded"][g] for g in ("g1", "g2"))
+    a_finished_run(bucket / run, summary, logs, keep_checkpoints=2, every=5)
+    no_secret_shown(cluster, bucket / run, logs, keys)
 
     deadline = time.monotonic() + 60
     while cluster.vllm_pids() and time.monotonic() < deadline:

@@ -1,6 +1,6 @@
 """The pool controller's look after its generators: a restarted actor is started again, one whose
 restart budget is spent is stopped (so the policy can replace it). The cluster is an in-memory stand-in
-with the two calls the controller makes; the real path runs in tests/integration/test_replica_restart.py."""
+with the two calls the controller makes; the real path runs in the chaos run of tests/e2e/test_multinode.py."""
 
 from __future__ import annotations
 
