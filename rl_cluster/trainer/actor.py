@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
-import tempfile
-import threading
 import time
-from datetime import datetime
 from pathlib import Path
 
 import ray
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.config import RunConfig
-from rl_cluster.core.admission import AdmissionWindow
 from rl_cluster.core.evaluation import eval_line, eval_record, with_evals
 from rl_cluster.core.manifest import adapter_dir_name
 from rl_cluster.core.summary import progress_line, step_record
@@ -24,11 +18,13 @@ from rl_cluster.core.telemetry import GROUP_FATES, TRAINER_METRICS, finite, step
 from rl_cluster.models import model_fingerprint, resolve_model
 from rl_cluster.nodes import node_placement
 from rl_cluster.telemetry import RayMetricSet
-from rl_cluster.trainer.check import served_vs_trained_gap
+from rl_cluster.trainer.build import build_trainer, evaluator, experience_writer
+from rl_cluster.trainer.check import check_sync
+from rl_cluster.trainer.checkpoints import newest_checkpoint, publish_checkpoint, read_state, restart_fault
+from rl_cluster.trainer.once import Once
 from rl_cluster.trainer.proxy_client import ProxyClient
-from rl_cluster.trainer.task import import_function, load_prompts
-
-RUN_STATE = "rl_cluster_state.json"  # in each checkpoint: the run's record up to it
+from rl_cluster.trainer.task import load_prompts
+from rl_cluster.trainer.wandb_log import start_wandb
 
 
 class Trainer:
@@ -65,12 +61,7 @@ class Trainer:
         self.metrics = RayMetricSet(TRAINER_METRICS, config.run_name)
         self._wandb = None
         self._experience = None  # rl_cluster.experience.ExperienceWriter, made with the trainer
-        # run(): one train() per life of this actor, whoever asks how often.
-        self._run_lock = threading.Lock()
-        self._running = False
-        self._outcome: threading.Event = threading.Event()
-        self._result: dict | None = None
-        self._error: BaseException | None = None
+        self._once = Once()  # run(): one train() per life of this actor, whoever asks how often
 
     # -- reporting -------------------------------------------------------------------------------------
     def _on_step(self, step: int, logs: dict) -> None:
@@ -104,25 +95,17 @@ class Trainer:
         # The first sync of every trainer process is checked (a restarted one may never reach a multiple).
         if version % check.every_syncs == 0 or not self._checked:
             self._checked = True
-            replicas = self.proxy.active_replica_urls()
-            gaps = served_vs_trained_gap(
+            gap = check_sync(
                 self.trainer.accelerator.unwrap_model(self.trainer.model),
-                replicas,
+                self.proxy.active_replica_urls(),
                 name,
                 self._check_prompt_ids,
-                check.samples,
+                check,
                 self.config.trainer.max_new_tokens,
                 api_key=self.replica_key,
             )
-            if gaps:
-                record["served_vs_trained_gap"] = max(gaps.values())
-            if gaps and not record["served_vs_trained_gap"] <= check.tolerance:
-                print(
-                    "\n" + "!" * 100 + f"\n!!! SERVED != TRAINED: {name} logprob gap {gaps} exceeds "
-                    f"{check.tolerance}. The replicas do not serve the adapter the trainer trained; importance "
-                    "ratios of this run are wrong.\n" + "!" * 100 + "\n",
-                    flush=True,
-                )
+            if gap is not None:
+                record["served_vs_trained_gap"] = gap
         self.syncs.append(record)
         self.last_sync = record
         self.metrics.observe("rl_trainer_handoff_seconds", timings["handoff_s"])
@@ -162,17 +145,8 @@ class Trainer:
             "evals": self.evals,
             "faults": self.faults,
         }
-        (Path(local_dir) / RUN_STATE).write_text(json.dumps(state))  # what a resume restores besides TRL's
-        uri = self.bucket.publish_checkpoint(
-            self.config.run_name,
-            step,
-            local_dir,
-            base_model=self.config.model.path,
-            base_fingerprint=self._base_fingerprint,
-        )
-        shutil.rmtree(local_dir, ignore_errors=True)  # the bucket holds it now
-        deleted = self.bucket.apply_checkpoint_retention(
-            self.config.run_name, keep_last=self.config.trainer.keep_checkpoints
+        uri, deleted = publish_checkpoint(
+            self.bucket, self.config, step, local_dir, state, self._base_fingerprint
         )
         # summary.json lists what a resume can still use, not what retention already deleted.
         gone = {self.bucket.checkpoint_uri(self.config.run_name, step) for step in deleted}
@@ -180,41 +154,10 @@ class Trainer:
         print(f"checkpoint step {step} published to {uri}", flush=True)
 
     # -- training --------------------------------------------------------------------------------------
-    def _newest_checkpoint(self, required: bool) -> tuple[str | None, int | None]:
-        """(local directory, step) of the newest checkpoint of this run that verifies against its
-        manifest. A damaged one is quarantined (out of the listing, retention and the way of the step's
-        next publication) and the one before it is tried; one that does not fit (another base model) is
-        skipped but left alone: the run's config may be what is wrong."""
-        from rl_cluster.errors import AdapterNotFound, AdapterRejected, FilesDiffer
-
-        run = self.config.run_name
-        for step in reversed(self.bucket.list_checkpoints(run)):
-            try:
-                local = self.bucket.fetch_checkpoint(
-                    self.bucket.checkpoint_uri(run, step),
-                    cache_dir=self.config.bucket.cache_dir,
-                    base_fingerprint=self._base_fingerprint,
-                )
-            except FilesDiffer as e:
-                where = self.bucket.quarantine_checkpoint(run, step)
-                print(f"checkpoint step {step} is damaged ({e}): moved to {where}; trying the one before",
-                      flush=True)  # fmt: skip
-                continue
-            except (AdapterRejected, AdapterNotFound) as e:
-                print(f"checkpoint step {step} is not usable ({e}); trying the one before", flush=True)
-                continue
-            return str(local), step
-        if required:
-            raise RuntimeError(
-                f"{self.bucket.run_uri(run)} holds no verified checkpoint to resume from: run with "
-                "trainer.checkpoint_every > 0 to make some, or start a new run"
-            )
-        return None, None
-
     def _restore(self, checkpoint: str) -> None:
         """The run's record up to the checkpoint (steps, syncs, groups), from the state it was saved with;
         what happened after it is trained again. Groups that were in flight then are gone."""
-        state = json.loads((Path(checkpoint) / RUN_STATE).read_text())
+        state = read_state(checkpoint)
         self.history, self.syncs = state["history"], state["syncs"]
         self.evals = state.get("evals", [])
         self.faults = state.get("faults", [])
@@ -225,19 +168,7 @@ class Trainer:
         """train(), once per life of this actor: a caller that lost its answer while this life went on (the
         driver's call failed in a network partition, not in a restart) asks again and gets the outcome of
         the same training, never a second one beside it. A life Ray restarted trains (and resumes) anew."""
-        with self._run_lock:
-            first, self._running = not self._running, True
-        if first:
-            try:
-                self._result = self.train(resume)
-            except BaseException as e:
-                self._error = e
-            finally:
-                self._outcome.set()
-        self._outcome.wait()
-        if self._error is not None:
-            raise self._error
-        return self._result
+        return self._once(self.train, resume)
 
     def train(self, resume: bool = False) -> dict:
         """Train to trainer.max_steps. `resume` (or a restart of this actor by Ray) continues from the
@@ -249,10 +180,9 @@ class Trainer:
         model_dir = resolve_model(c.model.path, c.model.revision)
         self._base_fingerprint = model_fingerprint(model_dir)
         checkpoint = self._resume_point(resume)
-        self._start_wandb()
+        self._wandb = start_wandb(c, self.bucket)
         dataset = load_prompts(c)
-        self.trainer = self._build_trainer(model_dir, dataset)
-        self._add_run_extras(dataset)
+        self._build_trainer(model_dir, dataset)
         self._train_start = time.time()
         try:
             if train_to_max_steps(self.trainer, checkpoint) is None:
@@ -273,7 +203,9 @@ class Trainer:
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         if not (resume or restarted):
             return None
-        checkpoint, self.resumed_from_step = self._newest_checkpoint(required=resume)
+        checkpoint, self.resumed_from_step = newest_checkpoint(
+            self.bucket, c, self._base_fingerprint, required=resume
+        )
         published = self.bucket.list_versions(c.run_name, c.run_name)
         print(
             ("trainer restarted by Ray: " if restarted else "")
@@ -288,137 +220,24 @@ class Trainer:
         if checkpoint:
             self._restore(checkpoint)
         if restarted:
-            self._restarted = self._restart_fault(published)
+            self._restarted = restart_fault(self.bucket, c.run_name, published, self.resumed_from_step)
             self.faults.append(self._restarted)
         return checkpoint
 
-    def _restart_fault(self, published: list[int]) -> dict:
-        """This life's restart as a fault: since the dead trainer's last sign of life (its newest published
-        version, by its manifest's time; this life's start when it published none), until the first step
-        this one trains."""
-        c = self.config
-        began = time.time()
-        if published:
-            with contextlib.suppress(Exception):  # a missing or odd manifest: the restart's own time
-                name = adapter_dir_name(c.run_name, max(published))
-                manifest = json.loads(self.bucket.read_text(c.run_name, f"adapters/{name}/manifest.json"))
-                began = datetime.fromisoformat(manifest["created_at"]).timestamp()
-        step = self.resumed_from_step
-        what = f"trainer restarted by Ray ({f'from checkpoint step {step}' if step else 'from step 0'})"
-        return {"time": round(began, 3), "what": what, "who": "trainer", "recovered_s": None}
-
-    def _start_wandb(self) -> None:
-        from rl_cluster.trainer.wandb_log import WandbLog
-
-        c = self.config
-        # Offline runs land beside the run's files when the bucket is a directory every node mounts, else
-        # under the trainer's .cache/ (beside the vLLM logs), never loose in the working directory.
-        local = Path(".cache", "wandb", c.run_name).resolve()
-        self._wandb = WandbLog(c, local if self.bucket.is_remote else self.bucket.run_uri(c.run_name))
-        if self._wandb.sync_dir:
-            print(f"wandb ({c.logging.wandb}): {self._wandb.sync_dir}", flush=True)
-
-    def _grpo_args(self, admission: AdmissionWindow):
-        from trl.experimental.async_grpo import AsyncGRPOConfig
-
-        from rl_cluster.trainer.compat import pipeline_limits, training_precision_kwargs
-
-        c, t = self.config, self.config.trainer
-        return AsyncGRPOConfig(
-            output_dir=tempfile.mkdtemp(prefix=f"rl_cluster-{c.run_name}-"),
-            vllm_server_base_url=self.proxy_url,
-            learning_rate=t.learning_rate,
-            lr_scheduler_type=t.lr_scheduler,
-            adam_beta2=t.adam_beta2,
-            num_generations=t.num_generations,
-            per_device_train_batch_size=t.completions_per_step,
-            max_completion_length=t.max_new_tokens,
-            temperature=t.temperature,
-            max_staleness=t.max_staleness,
-            **pipeline_limits(admission, t.num_generations),
-            weight_sync_steps=t.sync_every,
-            max_steps=t.max_steps,
-            seed=t.seed,
-            gradient_checkpointing=t.gradient_checkpointing,
-            token_budget=t.token_budget,
-            dtype=c.model.dtype,
-            logging_steps=1,
-            save_strategy="steps" if t.checkpoint_every else "no",
-            save_steps=t.checkpoint_every or 500,
-            report_to="none",
-            disable_tqdm=True,
-            **training_precision_kwargs(),
-        )
-
     def _build_trainer(self, model_dir: Path, dataset):
-        """TRL's AsyncGRPOTrainer with the run's LoRA, rewards, callbacks and admission window."""
-        from peft import LoraConfig
-
-        from rl_cluster.trainer.compat import quiet_default_printer
-        from rl_cluster.trainer.grpo import BucketSyncTrainer, CheckpointPublisher, StepReporter
-
-        c, t = self.config, self.config.trainer
-        admission = AdmissionWindow.for_trainer(
-            t.completions_per_step,
-            t.num_generations,
-            t.sync_every,
-            t.max_staleness,
-            lockstep=t.mode == "sync",
-        )
-        lora = LoraConfig(
-            r=c.lora.rank,
-            lora_alpha=c.lora.alpha,
-            target_modules=c.lora.target_modules,
-            lora_dropout=c.lora.dropout,
-            task_type="CAUSAL_LM",
-        )
-        trainer = BucketSyncTrainer(
-            model=str(model_dir),
-            reward_funcs=[import_function(r) for r in c.task.rewards],
-            args=self._grpo_args(admission),
-            train_dataset=dataset,
-            peft_config=lora,
-            callbacks=[StepReporter(self._on_step), CheckpointPublisher(self._publish_checkpoint)],
-            run_name=c.run_name,
-            bucket=self.bucket,
-            proxy=self.proxy,
-            base_model=c.model.path,
-            base_fingerprint=self._base_fingerprint,
-            keep_every=c.bucket.keep_every,
-            on_sync=self._on_sync,
+        """TRL's trainer, reporting here; the experience writer, the held-out eval and the check's prompt
+        around it."""
+        c = self.config
+        self.trainer = build_trainer(
+            c, model_dir, dataset, bucket=self.bucket, proxy=self.proxy, base_fingerprint=self._base_fingerprint,
+            on_step=self._on_step, on_checkpoint=self._publish_checkpoint, on_sync=self._on_sync,
             on_sample=self._on_sample,
-            admission=admission,
-            first_version=max(self.bucket.list_versions(c.run_name, c.run_name), default=0) + 1,
-        )
-        quiet_default_printer(trainer)
-        return trainer
-
-    def _add_run_extras(self, dataset) -> None:
-        """The experience writer, the held-out eval and the check's prompt, around the built trainer."""
-        c, t = self.config, self.config.trainer
-        if c.experience.enabled:
-            from rl_cluster.experience import ExperienceWriter
-
-            self._experience = ExperienceWriter(
-                self.bucket,
-                c.run_name,
-                c.run_name,
-                num_generations=t.num_generations,
-                shard_groups=c.experience.shard_groups,
-            )
+        )  # fmt: skip
+        self._experience = experience_writer(c, self.bucket)
         if c.eval.every_steps:
-            from rl_cluster.data import load_prepared
-            from rl_cluster.trainer.evaluation import EvalCallback, Evaluator
+            from rl_cluster.trainer.evaluation import EvalCallback
 
-            self._evaluator = Evaluator(
-                c,
-                self.proxy_url,
-                self.trainer.processing_class,
-                import_function(c.task.rewards[0]),
-                load_prepared(c, "eval").to_list(),
-                chat_template_kwargs=self.trainer.args.chat_template_kwargs,
-                auth_token=self.proxy.auth_token,
-            )
+            self._evaluator = evaluator(c, self.trainer, self.proxy)
             # Added last: its hooks run after TRL's cold sync and after each step's sync.
             self.trainer.add_callback(EvalCallback(c.eval.every_steps, self._on_eval))
         self._check_prompt_ids = self.trainer.processing_class.apply_chat_template(
@@ -447,7 +266,10 @@ class Trainer:
         }
 
     def finish(self, summary: dict) -> None:
-        """The run's summary to W&B, and its W&B run closed (the driver calls this once it summarised)."""
+        """The run's summary to W&B, and its W&B run closed (the driver calls this once it summarised).
+        metrics.jsonl once more: a stopped run's last steps are not on the bucket yet (written every 10)."""
+        if self.history:
+            self._write_metrics()
         if self._wandb is not None:
             self._wandb.finish(summary)
             if self._wandb.sync_dir and self.config.logging.wandb == "offline":

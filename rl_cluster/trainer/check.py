@@ -78,3 +78,21 @@ def served_vs_trained_gap(model, replica_urls: list[str], adapter: str, prompt_i
     finally:
         model.train(was_training)
     return gaps
+
+
+def check_sync(model, replica_urls: list[str], adapter: str, prompt_ids: list[int], check, max_tokens: int,
+               api_key: str | None = None) -> float | None:  # fmt: skip
+    """The sync's served-vs-trained gap (the largest over the replicas asked; None when none answered),
+    with a banner in the log when it exceeds `check.tolerance` (`check`: the run's CheckConfig)."""
+    gaps = served_vs_trained_gap(model, replica_urls, adapter, prompt_ids, check.samples, max_tokens, api_key)
+    if not gaps:
+        return None
+    gap = max(gaps.values())
+    if not gap <= check.tolerance:
+        print(
+            "\n" + "!" * 100 + f"\n!!! SERVED != TRAINED: {adapter} logprob gap {gaps} exceeds "
+            f"{check.tolerance}. The replicas do not serve the adapter the trainer trained; importance "
+            "ratios of this run are wrong.\n" + "!" * 100 + "\n",
+            flush=True,
+        )
+    return gap

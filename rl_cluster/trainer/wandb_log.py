@@ -114,3 +114,13 @@ class WandbLog:
         self.run.summary.update(flat_scalars(summary))
         self.run.finish(exit_code=0 if summary.get("status", "finished") == "finished" else 1)
         wandb.teardown()
+
+
+def start_wandb(config: RunConfig, bucket) -> WandbLog:
+    """The run's W&B log. Offline runs land beside the run's files when the bucket is a directory every node
+    mounts, else under the trainer's .cache/ (beside the vLLM logs), never loose in the working directory."""
+    local = Path(".cache", "wandb", config.run_name).resolve()
+    log = WandbLog(config, local if bucket.is_remote else bucket.run_uri(config.run_name))
+    if log.sync_dir:
+        print(f"wandb ({config.logging.wandb}): {log.sync_dir}", flush=True)
+    return log

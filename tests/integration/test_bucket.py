@@ -238,7 +238,7 @@ def test_a_damaged_checkpoint_is_quarantined_and_resume_falls_back(bucket, tmp_p
     it is moved out of checkpoints/ (no listing, no retention count), the one before is used, and the step
     can be published again when the resumed run reaches it."""
     from rl_cluster.errors import FilesDiffer
-    from rl_cluster.trainer.actor import Trainer
+    from rl_cluster.trainer.checkpoints import newest_checkpoint
 
     for step in (4, 8):
         publish_checkpoint(bucket, step, make_checkpoint(tmp_path / f"checkpoint-{step}", step))
@@ -247,12 +247,8 @@ def test_a_damaged_checkpoint_is_quarantined_and_resume_falls_back(bucket, tmp_p
     with pytest.raises(FilesDiffer, match="optimizer.pt: sha256"):
         bucket.fetch_checkpoint(bucket.checkpoint_uri(RUN, 8), cache_dir=tmp_path / "probe")
 
-    trainer = SimpleNamespace(
-        config=SimpleNamespace(run_name=RUN, bucket=SimpleNamespace(cache_dir=str(tmp_path / "cache"))),
-        bucket=bucket,
-        _base_fingerprint=FP,
-    )
-    local, step = Trainer._newest_checkpoint(trainer, required=True)
+    config = SimpleNamespace(run_name=RUN, bucket=SimpleNamespace(cache_dir=str(tmp_path / "cache")))
+    local, step = newest_checkpoint(bucket, config, FP, required=True)
     assert step == 4 and (Path(local) / "optimizer.pt").read_bytes() == weights_of(10_004, 4096)
     out = capsys.readouterr().out
     assert "checkpoint step 8 is damaged (optimizer.pt: sha256" in out and f"/{RUN}/quarantine/step-8-" in out
@@ -262,9 +258,9 @@ def test_a_damaged_checkpoint_is_quarantined_and_resume_falls_back(bucket, tmp_p
     assert bucket.list_checkpoints(RUN) == [4, 8]
 
     # A checkpoint of another base model is skipped, not moved: the config may be what is wrong.
-    trainer._base_fingerprint = base_model_fingerprint({**TINY, "hidden_size": 256})
+    other = base_model_fingerprint({**TINY, "hidden_size": 256})
     with pytest.raises(RuntimeError, match="holds no verified checkpoint"):
-        Trainer._newest_checkpoint(trainer, required=True)
+        newest_checkpoint(bucket, config, other, required=True)
     assert bucket.list_checkpoints(RUN) == [4, 8]
 
 

@@ -9,15 +9,13 @@ import time
 import pytest
 
 from rl_cluster.trainer.actor import Trainer
+from rl_cluster.trainer.once import Once
 
 
 def a_trainer(train) -> Trainer:
     """A Trainer with only what run() uses (its constructor builds a bucket and Ray metrics)."""
     trainer = Trainer.__new__(Trainer)
-    trainer._run_lock = threading.Lock()
-    trainer._running = False
-    trainer._outcome = threading.Event()
-    trainer._result = trainer._error = None
+    trainer._once = Once()
     trainer.train = train
     return trainer
 

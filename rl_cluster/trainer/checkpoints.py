@@ -1,0 +1,85 @@
+"""A run's checkpoints as the trainer uses them: published with the run's record, the newest verified one
+found for a resume, and the restart of a trainer by Ray told as a fault."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import time
+from datetime import datetime
+from pathlib import Path
+
+from rl_cluster.bucket import Bucket
+from rl_cluster.config import RunConfig
+from rl_cluster.core.manifest import adapter_dir_name
+
+RUN_STATE = "rl_cluster_state.json"  # in each checkpoint: the run's record up to it
+
+
+def publish_checkpoint(
+    bucket: Bucket, config: RunConfig, step: int, local_dir: str, state: dict, base_fingerprint: str
+) -> tuple[str, list[int]]:
+    """TRL's checkpoint directory of `step`, with the run's record `state` beside TRL's files (what a resume
+    restores besides TRL's), into the bucket; then retention. Returns (its URI, the steps retention
+    deleted). The local directory goes: the bucket holds it now."""
+    (Path(local_dir) / RUN_STATE).write_text(json.dumps(state))
+    uri = bucket.publish_checkpoint(
+        config.run_name, step, local_dir, base_model=config.model.path, base_fingerprint=base_fingerprint
+    )
+    shutil.rmtree(local_dir, ignore_errors=True)
+    deleted = bucket.apply_checkpoint_retention(config.run_name, keep_last=config.trainer.keep_checkpoints)
+    return uri, deleted
+
+
+def newest_checkpoint(
+    bucket: Bucket, config: RunConfig, base_fingerprint: str, required: bool
+) -> tuple[str | None, int | None]:
+    """(local directory, step) of the newest checkpoint of this run that verifies against its manifest.
+    A damaged one is quarantined (out of the listing, retention and the way of the step's next
+    publication) and the one before it is tried; one that does not fit (another base model) is skipped
+    but left alone: the run's config may be what is wrong."""
+    from rl_cluster.errors import AdapterNotFound, AdapterRejected, FilesDiffer
+
+    run = config.run_name
+    for step in reversed(bucket.list_checkpoints(run)):
+        try:
+            local = bucket.fetch_checkpoint(
+                bucket.checkpoint_uri(run, step),
+                cache_dir=config.bucket.cache_dir,
+                base_fingerprint=base_fingerprint,
+            )
+        except FilesDiffer as e:
+            where = bucket.quarantine_checkpoint(run, step)
+            print(f"checkpoint step {step} is damaged ({e}): moved to {where}; trying the one before",
+                  flush=True)  # fmt: skip
+            continue
+        except (AdapterRejected, AdapterNotFound) as e:
+            print(f"checkpoint step {step} is not usable ({e}); trying the one before", flush=True)
+            continue
+        return str(local), step
+    if required:
+        raise RuntimeError(
+            f"{bucket.run_uri(run)} holds no verified checkpoint to resume from: run with "
+            "trainer.checkpoint_every > 0 to make some, or start a new run"
+        )
+    return None, None
+
+
+def read_state(checkpoint: str) -> dict:
+    """The run's record saved with a checkpoint (publish_checkpoint's `state`)."""
+    return json.loads((Path(checkpoint) / RUN_STATE).read_text())
+
+
+def restart_fault(bucket: Bucket, run_name: str, published: list[int], step: int | None) -> dict:
+    """A trainer's restart by Ray as a fault: since the dead trainer's last sign of life (its newest
+    published version, by its manifest's time; now when it published none), until the first step the new
+    life trains (`recovered_s`, filled in then). `step`: the checkpoint it resumes from."""
+    began = time.time()
+    if published:
+        with contextlib.suppress(Exception):  # a missing or odd manifest: the restart's own time
+            name = adapter_dir_name(run_name, max(published))
+            manifest = json.loads(bucket.read_text(run_name, f"adapters/{name}/manifest.json"))
+            began = datetime.fromisoformat(manifest["created_at"]).timestamp()
+    what = f"trainer restarted by Ray ({f'from checkpoint step {step}' if step else 'from step 0'})"
+    return {"time": round(began, 3), "what": what, "who": "trainer", "recovered_s": None}
