@@ -7,7 +7,9 @@ STAMP  := $(VENV)/.installed
 STACK  ?= cpu
 QUICK  ?=
 
-.PHONY: setup demo test test-fast lint format bench clean
+.PHONY: setup tools demo test test-fast lint format bench monitor clean
+# Debian's prometheus, unpacked (not installed: no service, nothing system-wide); a test scrapes a run with it.
+PROMETHEUS := .cache/tools/prometheus/usr/bin/prometheus
 
 setup: $(STAMP)
 
@@ -25,10 +27,18 @@ else
 endif
 	touch $(STAMP)
 
+tools: $(PROMETHEUS)
+
+$(PROMETHEUS):
+	mkdir -p .cache/tools
+	cd .cache/tools && (apt-get download prometheus || (apt-get update -q && apt-get download prometheus))
+	dpkg-deb -x .cache/tools/prometheus_*.deb .cache/tools/prometheus && rm -f .cache/tools/prometheus_*.deb
+	touch $@
+
 demo: setup
 	$(BIN)/python jobs/train_grpo.py --config jobs/configs/cpu_demo.toml
 
-test: setup
+test: setup tools
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 tests
 
 test-fast: setup
@@ -44,6 +54,12 @@ format: setup
 
 bench: setup
 	$(BIN)/python -m bench $(if $(QUICK),--quick,)
+
+# Prometheus on :9090 for the Ray cluster on this machine, with the config Ray writes for its session
+# (its service-discovery file lists every node's metrics export); Grafana's dashboard reads it.
+monitor: tools
+	$(PROMETHEUS) --config.file=/tmp/ray/session_latest/metrics/prometheus/prometheus.yml \
+		--storage.tsdb.path=.cache/prometheus --web.listen-address=127.0.0.1:9090
 
 clean:
 	rm -rf $(VENV) .cache bucket

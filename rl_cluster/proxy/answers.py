@@ -6,6 +6,8 @@ from typing import Any
 
 from aiohttp import web
 
+from rl_cluster.proxy.validation import parse_json_object
+
 
 def error_response(
     status: int, message: str, err_type: str = "BadRequestError", param: str | None = None, **extra: Any
@@ -30,3 +32,27 @@ def reply(status: int, payload: Any) -> web.Response:
     if isinstance(payload, str):
         return web.Response(status=status, text=payload)
     return web.json_response(payload, status=status)
+
+
+class Answer(Exception):
+    """Raised while handling a request to answer it at once with `response` (the server's middleware
+    catches it)."""
+
+    def __init__(self, response: web.Response):
+        self.response = response
+
+
+def too_large(limit: int) -> web.Response:
+    # Built only when needed: an answer made in advance for every request cost more than its routing.
+    return error_response(413, f"request body over {limit} bytes", "RequestTooLarge")
+
+
+async def read_json(request: web.Request, limit: int) -> tuple[bytes, dict]:
+    """The request's raw body and its JSON object; raises Answer (a 413 or 400) when it is not one."""
+    if request.content_length is not None and request.content_length > limit:
+        raise Answer(too_large(limit))
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise Answer(too_large(limit)) from None
+    return raw, parse_json_object(raw)

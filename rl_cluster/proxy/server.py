@@ -2,9 +2,9 @@
 
 This module is the HTTP layer: it parses and checks requests (rl_cluster.proxy.validation), hands them
 on, and answers in vLLM's shapes. Generations go to rl_cluster.proxy.dispatch (one replica, chosen by
-prefix affinity, retried elsewhere if it fails early); adapter loads and unloads, pause and resume, and
-the replicas' whole life (joining, catching up, health, draining) belong to rl_cluster.proxy.replicas
-and the parts it is made of (health, adapters, pausing).
+prefix affinity, retried elsewhere if it fails early); the control routes (adapter loads and unloads,
+pause and resume) are rl_cluster.proxy.control's; the replicas' whole life (joining, catching up, health,
+draining) belongs to rl_cluster.proxy.replicas and the parts it is made of (health, adapters, pausing).
 Its clients are TRL's AsyncGRPOTrainer (VLLMClient + the rollout worker) and any OpenAI client.
 
 Two separate HTTP client sessions to the replicas: generations (the data session) can be many and
@@ -19,7 +19,6 @@ import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import urlencode
 
 import aiohttp
 from aiohttp import web
@@ -28,19 +27,15 @@ from rl_cluster.config import ProxyConfig
 from rl_cluster.core.auth import bearer_headers
 from rl_cluster.generator.vllm_compat import CLIENT_KEEPALIVE_S
 from rl_cluster.proxy.adapter_loader import ADMIN_TIMEOUT, AdapterLoader, HttpAdapterLoader
-from rl_cluster.proxy.answers import error_response, no_active_replica, reply
-from rl_cluster.proxy.broadcast import LoadFailed
+from rl_cluster.proxy.answers import Answer, error_response, no_active_replica, read_json, reply
+from rl_cluster.proxy.control import ControlRoutes
 from rl_cluster.proxy.dispatch import Dispatcher
 from rl_cluster.proxy.forward import data_timeout
 from rl_cluster.proxy.metrics import CONTENT_TYPE, ProxyMetrics
-from rl_cluster.proxy.replicas import INFO_TIMEOUT, AdapterExists, NoActiveReplica, ReplicaPool
+from rl_cluster.proxy.replicas import INFO_TIMEOUT, ReplicaPool
 from rl_cluster.proxy.validation import (
     Invalid,
-    check_adapter_name,
-    check_adapter_path,
     check_generation,
-    check_pause_query,
-    parse_json_object,
 )
 
 logger = logging.getLogger(__name__)
@@ -49,18 +44,6 @@ GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 # With a token set, every route but these needs it: generation spends the replicas, /v1/models and
 # /server_info show what they serve, the control routes change it. Probes and scrapers stay open.
 OPEN_ROUTES = frozenset({"/health", "/metrics"})
-
-
-class _Answer(Exception):
-    """Raised while handling a request to answer it at once with `response` (caught by the middleware)."""
-
-    def __init__(self, response: web.Response):
-        self.response = response
-
-
-def _too_large(limit: int) -> web.Response:
-    # Built only when needed: an answer made in advance for every request cost more than its routing.
-    return error_response(413, f"request body over {limit} bytes", "RequestTooLarge")
 
 
 class ProxyServer:
@@ -89,6 +72,7 @@ class ProxyServer:
         self.broadcast_latency = self.metrics.broadcast_latency
         self._pool = ReplicaPool(config, self.broadcast_latency)
         self._dispatch = Dispatcher(config, self._pool)
+        self._control = ControlRoutes(config, self._pool, adapter_root)
         self._runner: web.AppRunner | None = None
         self._data_session: aiohttp.ClientSession | None = None
         self._admin_session: aiohttp.ClientSession | None = None
@@ -119,10 +103,7 @@ class ProxyServer:
                 web.get("/v1/models", self._models),
                 web.get("/server_info", self._server_info),
                 *(web.post(path, self._generate) for path in GENERATION_ROUTES),
-                web.post("/v1/load_lora_adapter", self._load_adapter),
-                web.post("/v1/unload_lora_adapter", self._unload_adapter),
-                web.post("/pause", self._pause),
-                web.post("/resume", self._resume),
+                *self._control.routes(),  # adapters, pause, resume (rl_cluster.proxy.control)
                 web.get("/replicas", self._replicas_route),
                 web.get("/metrics", self._metrics),
             ]
@@ -219,21 +200,10 @@ class ProxyServer:
                 return error_response(401, "missing or wrong bearer token", "UnauthorizedError")
         try:
             return await handler(request)
-        except _Answer as answer:
+        except Answer as answer:
             return answer.response
         except Invalid as e:
             return error_response(400, str(e), param=e.param)
-
-    async def _read_json(self, request: web.Request) -> tuple[bytes, dict]:
-        """The request's raw body and its JSON object; a 413 or 400 answer when it is not one."""
-        limit = self.config.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise _Answer(_too_large(limit))
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise _Answer(_too_large(limit)) from None
-        return raw, parse_json_object(raw)
 
     async def _get_from_replica(self, path: str, query: str) -> tuple[int, Any]:
         """GET from the first active replica that answers (all active ones serve the same thing)."""
@@ -248,8 +218,8 @@ class ProxyServer:
             except (aiohttp.ClientError, TimeoutError, ValueError) as e:
                 failures.append(f"{replica_id}: {type(e).__name__}: {e}")
         if failures:
-            raise _Answer(error_response(502, f"no replica answered {path}: {failures}", "BadGatewayError"))
-        raise _Answer(no_active_replica())
+            raise Answer(error_response(502, f"no replica answered {path}: {failures}", "BadGatewayError"))
+        raise Answer(no_active_replica())
 
     # -- read-only routes -------------------------------------------------------------------------------
 
@@ -284,7 +254,7 @@ class ProxyServer:
     # -- generation -------------------------------------------------------------------------------------
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
-        raw, body = await self._read_json(request)
+        raw, body = await read_json(request, self.config.max_body_bytes)
         config = self.config
         check_generation(
             request.path,
@@ -294,77 +264,3 @@ class ProxyServer:
             max_model_len=self.max_model_len,
         )
         return await self._dispatch.generate(request, raw, body)
-
-    # -- adapters ---------------------------------------------------------------------------------------
-
-    async def _load_adapter(self, request: web.Request) -> web.Response:
-        body = (await self._read_json(request))[1]
-        if not isinstance(body.get("lora_name"), str) or not isinstance(body.get("lora_path"), str):
-            return error_response(
-                400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput"
-            )
-        name = check_adapter_name(body["lora_name"])
-        path = check_adapter_path(body["lora_path"], self.adapter_root)
-        if body.get("load_inplace"):
-            return error_response(
-                400,
-                "load_inplace is not supported by the proxy: publish new weights under a "
-                "new name (vLLM keys its prefix cache by adapter name)",
-                "InvalidUserInput",
-            )
-        if name in self._pool.base_models:
-            return error_response(
-                400, f"The lora adapter '{name}' conflicts with a served base model.", "InvalidUserInput"
-            )
-        if self._pool.book.is_routable(name) and self._pool.book.live_adapters()[name] == path:
-            # Loaded already from this very path: a client's retry after an answer it never got (the
-            # proxy it sent the load to died), as vLLM's names are never reused for other weights.
-            return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
-        try:
-            await self._pool.load(name, path)
-        except AdapterExists:
-            return error_response(
-                400,
-                f"The lora adapter '{name}' has already been loaded. If you want to "
-                "load the adapter in place, set 'load_inplace' to True.",
-                "InvalidUserInput",
-            )
-        except NoActiveReplica:
-            return no_active_replica(waited_s=self.config.unavailable_timeout_s)
-        except LoadFailed as e:
-            logger.error("%s", e)
-            replicas = {r: str(err) for r, err in e.failures.items()}
-            return error_response(e.status, str(e), "AdapterLoadError", replicas=replicas)
-        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
-
-    async def _unload_adapter(self, request: web.Request) -> web.Response:
-        body = (await self._read_json(request))[1]
-        name = body.get("lora_name")
-        if not isinstance(name, str) or not name:
-            return error_response(
-                400, "'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput"
-            )
-        if not await self._pool.close(name):
-            return error_response(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
-        # The name is closed to new requests now; replicas unload it as their in-flight requests finish.
-        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
-
-    # -- pause / resume ---------------------------------------------------------------------------------
-
-    async def _pause(self, request: web.Request) -> web.Response:
-        query = dict(request.query)
-        check_pause_query(query)
-        failures = await self._pool.pause(urlencode(query))
-        if failures:
-            return error_response(
-                502, f"pause failed on {sorted(failures)}; resumed all", "PauseError", replicas=failures
-            )
-        return web.json_response({"status": "paused"})
-
-    async def _resume(self, request: web.Request) -> web.Response:
-        failures = await self._pool.resume()
-        if failures:
-            return error_response(
-                502, f"resume failed on {sorted(failures)}", "ResumeError", replicas=failures
-            )
-        return web.json_response({"status": "resumed"})

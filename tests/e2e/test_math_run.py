@@ -10,11 +10,13 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from cluster.prometheus import panel_queries, prometheus, query
 from prometheus_client.parser import text_string_to_metric_families
 
 from rl_cluster.data.tiny_math import write_task
@@ -52,6 +54,38 @@ def eval_metric(run: subprocess.Popen, log: Path, timeout_s: float = 300) -> dic
     raise AssertionError(f"no ray_rl_trainer_eval of {RUN} in the metrics export:\n{log.read_text()[-3000:]}")
 
 
+def discovery_file(log: Path, timeout_s: float = 120) -> Path:
+    """Ray's prom_metrics_service_discovery.json of the run's local Ray, once it lists the export the
+    driver printed (the run's private Ray is the newest session under Ray's temporary directory)."""
+    port = EXPORT.search(log.read_text(errors="replace")).group(1)
+    path = Path(tempfile.gettempdir(), "ray", "session_latest", "prom_metrics_service_discovery.json")
+    deadline = time.monotonic() + timeout_s
+    while not (path.exists() and f":{port}" in path.read_text()):
+        assert time.monotonic() < deadline, f"{path} never listed the metrics export on port {port}"
+        time.sleep(1)
+    return path
+
+
+# Not in a healthy run: a Ray counter that never counted (no request was retried) has no series.
+NO_DATA_EXPECTED = ("ray_rl_proxy_retries_total",)
+
+
+def panels_answering(url: str, run: subprocess.Popen, timeout_s: float = 300) -> tuple[dict, dict]:
+    """Ask Prometheus each Grafana query of this run until each returned data (or the run ended): the
+    panels (query -> title) that never did, and what each answered."""
+    queries = {
+        q: title for q, title in panel_queries(RUN).items() if not any(m in q for m in NO_DATA_EXPECTED)
+    }
+    answers: dict[str, list] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(answers) < len(queries) and run.poll() is None and time.monotonic() < deadline:
+        for expr in queries.keys() - answers.keys():
+            if result := query(url, expr):
+                answers[expr] = result
+        time.sleep(2)
+    return {q: t for q, t in queries.items() if q not in answers}, answers
+
+
 def test_eval_pass_at_1_rises_on_the_tiny_math_task(tmp_path):
     files = write_task(tmp_path / "data", train_rows=2000, seed=0)
     model_dir = ensure_tiny_model(task="math")  # cached after the first build (a few minutes on 2 cores)
@@ -81,6 +115,10 @@ def test_eval_pass_at_1_rises_on_the_tiny_math_task(tmp_path):
             # While it runs: the eval scores in Ray's own metrics export (the multi-node test checks the
             # others; its demo runs no eval). The driver prints each node's export; scraped on loopback.
             exported = eval_metric(run, log)
+            # And through a real Prometheus fed by Ray's service-discovery file: every query of the Grafana
+            # dashboard returns data, as Grafana would ask it.
+            with prometheus(discovery_file(log), tmp_path / "prometheus") as prom:
+                unanswered, answers = panels_answering(prom, run)
             assert run.wait(timeout=420) == 0, log.read_text(errors="replace")[-6000:]
         finally:
             if run.poll() is None:  # a failed check: stop the run as Ctrl+C does (it cleans up after itself)
@@ -91,6 +129,16 @@ def test_eval_pass_at_1_rises_on_the_tiny_math_task(tmp_path):
                     run.kill()
     out = log.read_text(errors="replace")
     assert set(exported) == {"pass@1", "mean@k"} and all(0 <= v <= 1 for v in exported.values()), exported
+    assert not unanswered, f"Grafana panels whose queries Prometheus answered with no data: {unanswered}"
+    by_score = {r["metric"]["score"] for r in answers['max(ray_rl_trainer_eval{run=~"e2e-math"}) by (score)']}
+    assert by_score == {"pass@1", "mean@k"}, by_score
+    assert {
+        r["metric"]["replica"]
+        for r in answers['max(ray_rl_generator_kv_cache_usage{run=~"e2e-math"}) by (replica)']
+    } == {"g0"}
+    assert answers['sum(rate(ray_rl_proxy_route_total{run=~"e2e-math"}[1m])) by (reason)'], answers
+    (reward,) = answers['max(ray_rl_trainer_reward{run=~"e2e-math"})']
+    assert 0.0 <= float(reward["value"][1]) <= 1.0, reward
     run_dir = tmp_path / "bucket" / RUN
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -13,7 +13,6 @@ FUNCTION_LINES, CLASS_LINES = 60, 250
 STILL_LONG = {
     "rl_cluster/run.py:_train": 69,
     "rl_cluster/run.py:_summarize_run": 61,
-    "rl_cluster/proxy/server.py:ProxyServer": 305,
     "rl_cluster/pool.py:PoolController": 286,
     "rl_cluster/bucket/__init__.py:Bucket": 274,
     "rl_cluster/generator/actor.py:Generator": 268,
