@@ -34,6 +34,12 @@ class ReplicaTimeout(ReplicaDown):
     stalled mount, a wedged engine) or cut off. Treated as down: out of routing until it answers again."""
 
 
+class ReplicaMisbehaved(ReplicaDown):
+    """The replica's answer breaks the protocol: a 200 to a load it then does not serve, malformed JSON, a
+    stream longer than the request allows. Its /health may still answer, so it is taken out of routing
+    without asking; a catch-up that finds it sound (its /v1/models parses, every load shows) brings it back."""
+
+
 class BucketUnavailable(Exception):
     """The bucket could not be reached after bounded retries."""
 

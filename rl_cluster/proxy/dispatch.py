@@ -46,12 +46,14 @@ class Dispatcher:
             "streams_broken": self.streams_broken,
         }
 
-    async def generate(self, request: web.Request, raw: bytes, body: dict) -> web.StreamResponse:
-        """Answer a checked generation request (`raw` its body as sent, `body` that body parsed)."""
+    async def generate(
+        self, request: web.Request, raw: bytes, body: dict, max_events: int | None = None
+    ) -> web.StreamResponse:
+        """Answer a checked generation request (`raw` its body as sent, `body` that body parsed); a streamed
+        answer is cut off after `max_events` events."""
         pool = self.pool
         model = body.get("model")
-        adapter = None if model is None or model in pool.base_models else model
-        hashes = block_hashes(adapter or "", request_prompt(body), self.config.block_size)
+        adapter, hashes = self._target(model, body)
         tried: list[str] = []
         failure: ReplicaFailed | None = None
         waited = resent = False
@@ -64,9 +66,7 @@ class Dispatcher:
                 waited = True  # every replica down: wait for one to come back (bounded), once
                 if await pool.wait_for_active():
                     tried.clear()
-                    # The replica that came back may be the first to name the base model.
-                    adapter = None if model is None or model in pool.base_models else model
-                    hashes = block_hashes(adapter or "", request_prompt(body), self.config.block_size)
+                    adapter, hashes = self._target(model, body)  # it may be the first to name the base
                     continue
                 return no_active_replica(waited_s=self.config.unavailable_timeout_s)
             if not eligible:
@@ -88,7 +88,8 @@ class Dispatcher:
             pool.table.record(hashes, decision.replica_id)
             tried.append(decision.replica_id)
             try:
-                return await self._forward_counted(request, pool.replicas[decision.replica_id], raw, adapter)
+                replica = pool.replicas[decision.replica_id]
+                return await self._forward_counted(request, replica, raw, adapter, max_events)
             except ReplicaFailed as e:
                 failure = e
                 if await pool.replica_failed(e):
@@ -103,6 +104,11 @@ class Dispatcher:
                 # A 5xx from a replica that is fine otherwise: the request's own problem, passed on.
                 logger.warning("passing on a failure of healthy replica %s: %s", decision.replica_id, e)
                 return e.answer or error_response(502, str(e), "BadGatewayError")
+
+    def _target(self, model: Any, body: dict) -> tuple[str | None, list[int]]:
+        """The adapter a request asks for (None: the base model) and its prompt's block hashes."""
+        adapter = None if model is None or model in self.pool.base_models else model
+        return adapter, block_hashes(adapter or "", request_prompt(body), self.config.block_size)
 
     def _no_replica_answer(
         self, model: Any, adapter: str | None, failure: ReplicaFailed | None
@@ -119,16 +125,18 @@ class Dispatcher:
         return no_active_replica()
 
     async def _forward_counted(
-        self, request: web.Request, replica: Replica, raw: bytes, adapter: str | None
+        self, request: web.Request, replica: Replica, raw: bytes, adapter: str | None, max_events: int | None
     ) -> web.StreamResponse:
         """Forward one attempt, counted in flight on its replica for its adapter while it runs."""
         self.pool.begin_request(replica, adapter)
         try:
-            response, broken = await forward(request, self.session, replica.replica_id, replica.url, raw)
+            response, broken = await forward(
+                request, self.session, replica.replica_id, replica.url, raw, max_events
+            )
         finally:
             self.pool.end_request(replica, adapter)
         if broken is not None:
             self.streams_broken += 1
-            logger.warning("stream from replica %s ended with an error: %s", replica.replica_id, broken)
-            self.pool.spawn(self.pool.replica_failed(ReplicaFailed(replica.replica_id, broken)))
+            logger.warning("stream ended with an error: %s", broken)
+            self.pool.spawn(self.pool.replica_failed(broken))
         return response

@@ -1,9 +1,11 @@
 """One attempt at a generation on one replica, and where the line between "retry" and "fail" lies.
 
 A replica that fails before the client got a byte (connection refused or reset, a 5xx, the body cut
-short) raises ReplicaFailed: nothing reached the client, so the proxy may send the request to another
-replica. Once a streamed answer has started, a retry would splice two different samples into one answer,
-so a failure then ends the stream with an error event instead, and the caller learns why.
+short, a 200 whose JSON does not parse) raises ReplicaFailed: nothing reached the client, so the proxy may
+send the request to another replica. Once a streamed answer has started, a retry would splice two
+different samples into one answer, so a failure then ends the stream with an error event instead, and the
+caller learns why. A stream is bounded too: an honest one has at most one event per token of each
+sequence and a few more, so a replica that streams past that (forever, say) is cut off there.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import contextlib
 import json
 
 import aiohttp
+import msgspec
 from aiohttp import web
 
-# A context the proxy was not told (a proxy in front of servers it knows nothing about): vLLM's common one.
-DEFAULT_CONTEXT_TOKENS = 4096
+from rl_cluster.proxy.validation import DEFAULT_CONTEXT_TOKENS
+
 # The slowest pace at which a replica still counts as working: seconds per generated token.
 SLOWEST_TOKEN_S = 1.0
 
@@ -41,20 +44,36 @@ class ReplicaFailed(Exception):
     (None when it gave none), to pass on when the proxy decides not to retry."""
 
     def __init__(
-        self, replica_id: str, reason: str, answer: web.Response | None = None, timed_out: bool = False
+        self,
+        replica_id: str,
+        reason: str,
+        answer: web.Response | None = None,
+        timed_out: bool = False,
+        misbehaved: bool = False,
     ):
         super().__init__(f"replica {replica_id}: {reason}")
         self.replica_id = replica_id
         self.answer = answer
         self.timed_out = timed_out  # it missed the read deadline: hung, treated as down without a probe
+        self.misbehaved = misbehaved  # its answer broke the protocol: out of routing without a probe
+
+
+# Checks that a body is one JSON value without building it (msgspec scans it in C).
+_check_json = msgspec.json.Decoder(msgspec.Raw).decode
 
 
 async def forward(
-    request: web.Request, session: aiohttp.ClientSession, replica_id: str, url: str, payload: bytes
-) -> tuple[web.StreamResponse, str | None]:
-    """Send `payload` to the replica at `url` and pass its answer on; streams chunk by chunk.
+    request: web.Request,
+    session: aiohttp.ClientSession,
+    replica_id: str,
+    url: str,
+    payload: bytes,
+    max_events: int | None = None,
+) -> tuple[web.StreamResponse, ReplicaFailed | None]:
+    """Send `payload` to the replica at `url` and pass its answer on; streams chunk by chunk, at most
+    `max_events` server-sent events (None: unbounded).
 
-    Returns the response and, when the replica failed in the middle of a stream, why (the stream was
+    Returns the response and, when the replica failed in the middle of a stream, how (the stream was
     ended with an error event). Raises ReplicaFailed when the client has received nothing yet.
     """
     headers = {"Content-Type": "application/json"}
@@ -71,38 +90,65 @@ async def forward(
     async with upstream:
         content_type = upstream.headers.get("Content-Type", "application/json")
         passed_on = {"Content-Type": content_type, REPLICA_HEADER: replica_id}
-        if not content_type.startswith("text/event-stream"):
-            try:
-                body = await upstream.read()
-            except UPSTREAM_ERRORS as e:
-                reason = f"answer cut short: {_reason(e)}"
-                raise ReplicaFailed(replica_id, reason, timed_out=isinstance(e, TimeoutError)) from e
-            answer = web.Response(status=upstream.status, body=body, headers=passed_on)
-            if upstream.status >= 500:
-                raise ReplicaFailed(replica_id, f"HTTP {upstream.status}", answer)
-            return answer, None
+        if content_type.startswith("text/event-stream"):
+            return await _pass_stream(request, upstream, replica_id, passed_on, max_events)
+        return await _pass_body(upstream, replica_id, passed_on), None
 
-        # Server-sent events: headers go out with the first chunk, so a replica that dies before its
-        # first token can still be replaced.
-        response = web.StreamResponse(
-            status=upstream.status, headers={**passed_on, "Cache-Control": "no-cache"}
-        )
-        while True:
-            try:
-                chunk = await upstream.content.readany()
-            except UPSTREAM_ERRORS as e:
-                reason = f"stream cut short: {_reason(e)}"
-                if not response.prepared:
-                    raise ReplicaFailed(replica_id, reason, timed_out=isinstance(e, TimeoutError)) from e
-                await _end_with_error(response, replica_id, reason)
-                return response, reason
+
+async def _pass_body(upstream: aiohttp.ClientResponse, replica_id: str, passed_on: dict) -> web.Response:
+    """A whole answer, read before anything goes out: a failure is still the proxy's to retry."""
+    try:
+        body = await upstream.read()
+    except UPSTREAM_ERRORS as e:
+        reason = f"answer cut short: {_reason(e)}"
+        raise ReplicaFailed(replica_id, reason, timed_out=isinstance(e, TimeoutError)) from e
+    answer = web.Response(status=upstream.status, body=body, headers=passed_on)
+    if upstream.status >= 500:
+        raise ReplicaFailed(replica_id, f"HTTP {upstream.status}", answer)
+    if upstream.status == 200 and passed_on["Content-Type"].startswith("application/json"):
+        try:
+            _check_json(body)
+        except msgspec.DecodeError as e:
+            reason = f"answered malformed JSON (HTTP 200, {len(body)} bytes: {e})"
+            raise ReplicaFailed(replica_id, reason, misbehaved=True) from None
+    return answer
+
+
+async def _pass_stream(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    replica_id: str,
+    passed_on: dict,
+    max_events: int | None,
+) -> tuple[web.StreamResponse, ReplicaFailed | None]:
+    """Server-sent events, chunk by chunk. Headers go out with the first chunk, so a replica that dies
+    before its first token can still be replaced."""
+    response = web.StreamResponse(status=upstream.status, headers={**passed_on, "Cache-Control": "no-cache"})
+    events = 0
+    while True:
+        try:
+            chunk = await upstream.content.readany()
+        except UPSTREAM_ERRORS as e:
+            reason = f"stream cut short: {_reason(e)}"
+            timed_out = isinstance(e, TimeoutError)
             if not response.prepared:
-                await response.prepare(request)
-            if not chunk:
-                break
-            await response.write(chunk)
-        await response.write_eof()
-        return response, None
+                raise ReplicaFailed(replica_id, reason, timed_out=timed_out) from e
+            await _end_with_error(response, replica_id, reason)
+            return response, ReplicaFailed(replica_id, reason, timed_out=timed_out)
+        if not response.prepared:
+            await response.prepare(request)
+        if not chunk:
+            break
+        # An event ends with a blank line; one split across two chunks may be missed, which the bound's
+        # slack covers.
+        events += chunk.count(b"\n\n")
+        if max_events is not None and events > max_events:
+            reason = f"streamed more than {max_events} events, more than the request's tokens allow"
+            await _end_with_error(response, replica_id, reason)
+            return response, ReplicaFailed(replica_id, reason, misbehaved=True)
+        await response.write(chunk)
+    await response.write_eof()
+    return response, None
 
 
 def _reason(error: BaseException) -> str:

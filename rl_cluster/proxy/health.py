@@ -18,7 +18,7 @@ import aiohttp
 
 from rl_cluster.config import ProxyConfig
 from rl_cluster.core.versions import ReplicaState, VersionBook
-from rl_cluster.errors import ReplicaDown, ReplicaTimeout
+from rl_cluster.errors import ReplicaDown, ReplicaMisbehaved, ReplicaTimeout
 from rl_cluster.proxy.forward import ReplicaFailed
 from rl_cluster.proxy.replica import Replica, probe
 
@@ -101,6 +101,8 @@ class HealthWatch:
             problem = "removed"
         elif isinstance(error, ReplicaTimeout):  # hung or cut off: its /health may still answer (a stall)
             problem = "missed its deadline"
+        elif isinstance(error, ReplicaMisbehaved):  # healthy by /health, but it lied about the load
+            problem = "not asked: its answer broke the protocol"
         elif isinstance(error, ReplicaDown):  # its actor says so; its old server may linger a few seconds
             problem = "no server"
         else:
@@ -115,8 +117,14 @@ class HealthWatch:
         if replica is None:
             return True
         # A replica that sent nothing for the read deadline is hung whatever its /health says (a wedged
-        # engine behind a live API server): out of routing, back when a health round finds it well.
-        problem = "missed the read deadline" if failure.timed_out else await self.probe(replica)
+        # engine behind a live API server), and one that broke the protocol is not to be trusted with the
+        # next request: out of routing, back when a health round finds it well and a catch-up sound.
+        if failure.timed_out:
+            problem = "missed the read deadline"
+        elif failure.misbehaved:
+            problem = "not asked: its answer broke the protocol"
+        else:
+            problem = await self.probe(replica)
         if problem:
             self.mark_unhealthy(replica.replica_id, f"{failure}; health check: {problem}")
         return problem is not None

@@ -1,8 +1,9 @@
 """One replica as the proxy sees it: its record, and what the proxy asks it about itself.
 
-The pool (rl_cluster.proxy.replicas) keeps these records. What a replica serves (/v1/models), how many
-sequences it runs at once (/server_info) and whether it is up (/health) are asked the same way by
-registration, catch-up and the health watch, so the asking lives here, below all three.
+The pool (rl_cluster.proxy.replicas) keeps these records. How many sequences a replica runs at once
+(/server_info) and whether it is up (/health) are asked the same way by registration, catch-up and the
+health watch, so the asking lives here, below all three (what it serves, /v1/models, is asked by the
+adapter loader, which checks every load against it).
 """
 
 from __future__ import annotations
@@ -12,11 +13,9 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from rl_cluster.proxy.adapter_loader import AdapterLoader
+from rl_cluster.proxy.adapter_loader import INFO_TIMEOUT, AdapterLoader
 
 logger = logging.getLogger(__name__)
-
-INFO_TIMEOUT = aiohttp.ClientTimeout(total=30)
 
 
 @dataclass
@@ -28,15 +27,6 @@ class Replica:
     capacity: int | None = None
     """Concurrent sequences it runs (vLLM max_num_seqs): routing compares loads relative to it. None
     until known (the replica reported none and its /server_info has not answered yet)."""
-
-
-async def served_models(session: aiohttp.ClientSession, url: str) -> tuple[list[str], set[str]]:
-    """The base model ids and the adapter names a replica serves right now (its /v1/models)."""
-    async with session.get(f"{url}/v1/models", timeout=INFO_TIMEOUT) as response:
-        response.raise_for_status()
-        models = (await response.json())["data"]
-    base = [m["id"] for m in models if not m.get("parent")]
-    return base, {m["id"] for m in models if m.get("parent")}
 
 
 async def learn_capacity(session: aiohttp.ClientSession, replica: Replica) -> None:

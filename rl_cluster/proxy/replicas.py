@@ -36,14 +36,14 @@ import aiohttp
 from rl_cluster.config import ProxyConfig
 from rl_cluster.core.routing import PrefixTable
 from rl_cluster.core.versions import ReplicaState, VersionBook
-from rl_cluster.proxy.adapter_loader import AdapterLoader
+from rl_cluster.proxy.adapter_loader import INFO_TIMEOUT, AdapterLoader, served_models
 from rl_cluster.proxy.adapters import AdapterBroadcasts, AdapterExists, NoActiveReplica
 from rl_cluster.proxy.broadcast import load_with_retry
 from rl_cluster.proxy.forward import ReplicaFailed
 from rl_cluster.proxy.health import HealthWatch
 from rl_cluster.proxy.metrics import LatencyHistogram
 from rl_cluster.proxy.pausing import PauseCoordinator
-from rl_cluster.proxy.replica import INFO_TIMEOUT, Replica, learn_capacity, served_models
+from rl_cluster.proxy.replica import Replica, learn_capacity
 
 # The server and the dispatcher meet the pool's record, errors and admin timeout here, with the pool.
 __all__ = ["INFO_TIMEOUT", "AdapterExists", "NoActiveReplica", "Replica", "ReplicaPool"]

@@ -256,11 +256,11 @@ class ProxyServer:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         raw, body = await read_json(request, self.config.max_body_bytes)
         config = self.config
-        check_generation(
+        max_events = check_generation(
             request.path,
             body,
             max_n=config.max_n,
             max_sequences=config.max_sequences_per_request,
             max_model_len=self.max_model_len,
         )
-        return await self._dispatch.generate(request, raw, body)
+        return await self._dispatch.generate(request, raw, body, max_events)

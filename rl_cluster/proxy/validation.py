@@ -17,6 +17,8 @@ import msgspec
 MAX_JSON_DEPTH = 32
 MAX_ADAPTER_NAME = 256
 MAX_INT32 = 2**31 - 1
+# A context the proxy was not told (a proxy in front of servers it knows nothing about): vLLM's common one.
+DEFAULT_CONTEXT_TOKENS = 4096
 PAUSE_MODES = frozenset({"abort", "wait", "keep"})
 BOOL_WORDS = frozenset({"true", "false", "1", "0", "yes", "no", "on", "off"})
 _decode = msgspec.json.Decoder().decode
@@ -121,8 +123,10 @@ def _check_messages(messages: Any) -> None:
 
 def check_generation(
     route: str, body: dict, *, max_n: int, max_sequences: int, max_model_len: int | None = None
-) -> None:
+) -> int | None:
     """The fields of a /v1/completions or /v1/chat/completions body the proxy routes on or bounds.
+    Returns, for a streamed request, the most server-sent events an honest answer has (None: not streamed):
+    one per token of each sequence, a few per sequence (role, finish) and a few per answer (usage, [DONE]).
 
     `max_sequences`: most prompts x n one request may ask for (vLLM takes up to 1,024 prompts, so n alone
     does not bound the work one request queues). `max_model_len`: the served context (None: unknown, not
@@ -163,6 +167,11 @@ def check_generation(
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise Invalid("'stream' must be a boolean", "stream")
+    if not stream:
+        return None
+    tokens = body.get("max_completion_tokens") if chat else None
+    tokens = tokens or body.get("max_tokens") or max_model_len or DEFAULT_CONTEXT_TOKENS
+    return sequences * (tokens + 4) + 8
 
 
 def _check_context(body: dict, chat: bool, prompt_tokens: int, max_model_len: int) -> None:

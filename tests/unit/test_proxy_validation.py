@@ -233,3 +233,17 @@ def test_pause_query():
     for query in ({"mode": "later"}, {"clear_cache": "maybe"}, {"mode": "keep", "x": "1"}):
         with pytest.raises(Invalid):
             check_pause_query(query)
+
+
+def test_a_streamed_request_has_a_bound_on_its_events():
+    def bound(route, body, max_model_len=None):
+        return check_generation(route, body, max_n=16, max_sequences=64, max_model_len=max_model_len)
+
+    assert bound(COMPLETIONS, {"prompt": "x", "max_tokens": 4}) is None  # not streamed: no events
+    # (prompts x n) sequences, each its tokens and a few more (role, finish), and a few for the answer.
+    assert bound(COMPLETIONS, {"prompt": ["a", "b"], "n": 3, "max_tokens": 4, "stream": True}) == 6 * 8 + 8
+    assert bound(CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5,
+                        "max_tokens": 99, "stream": True}) == 9 + 8  # fmt: skip
+    # No max_tokens: as many as the served context, or vLLM's common one when the proxy was not told.
+    assert bound(COMPLETIONS, {"prompt": "x", "stream": True}, max_model_len=256) == 260 + 8
+    assert bound(COMPLETIONS, {"prompt": "x", "stream": True}) == 4100 + 8
