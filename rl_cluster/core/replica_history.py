@@ -22,6 +22,9 @@ ACTOR_DIED = "actor died"
 REMOVED = "removed"
 NODE_DRAINED = "node drained"  # Ray drained its node (a preemption notice): the pool replaced it in time
 OUT_OF_ROUTING = "out of routing"  # a fault whose cause nobody named
+# A cause learnt this long after an unnamed fault ended is another fault's (the pool looks every few seconds,
+# a round waits up to a minute for each generator that does not answer).
+CAUSE_LATE_S = 300.0
 
 
 @dataclass
@@ -92,16 +95,25 @@ class ReplicaHistory:
             fault.what = f"{OUT_OF_ROUTING} ({why})"
 
     def cause(self, replica: str, what: str, opens: bool = False, now: float | None = None) -> None:
-        """Why `replica` is (or was just) out: names its open fault, else its latest one if still unnamed.
-        `opens`: the caller knows it is out now (its actor died): open a fault if the pool had not seen it
-        out yet."""
+        """Why `replica` is (or was just) out: names its open fault; else, unless `opens` (the caller knows
+        it is out now: its actor died), its latest fault if still unnamed and over less than CAUSE_LATE_S
+        ago (it came back before the cause was learnt). Else a fault opens now: the cause was learnt before
+        the pool's round saw the replica out (two loops, seconds apart; once the cause was lost that way)."""
+        now = time.time() if now is None else now
         fault = self._open.get(replica)
-        if fault is None and opens and replica in self._served:
-            self._open[replica] = fault = Fault(replica, time.time() if now is None else now)
-            self.faults.append(fault)
-        if fault is None:
+        if fault is None and not opens:
             mine = [f for f in self.faults if f.who == replica]
-            fault = mine[-1] if mine and mine[-1].what.startswith(OUT_OF_ROUTING) else None
+            last = mine[-1] if mine else None
+            if (
+                last is not None
+                and last.what.startswith(OUT_OF_ROUTING)
+                and last.recovered_s is not None
+                and now - (last.began + last.recovered_s) <= CAUSE_LATE_S
+            ):
+                fault = last
+        if fault is None and replica in self._served:
+            self._open[replica] = fault = Fault(replica, now)
+            self.faults.append(fault)
         if fault is not None:
             fault.what = what
 

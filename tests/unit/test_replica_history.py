@@ -54,11 +54,33 @@ def test_a_restart_faster_than_a_round_is_opened_by_the_revive_and_a_late_cause_
     # An engine restart the pool saw out and back before it read the restart count: the count names it.
     h.observe("g0", serving=False, now=50.0)
     h.observe("g0", serving=True, now=60.0)
-    h.cause("g0", "vLLM server restarted")
-    h.cause("g0", "named twice")  # a named fault keeps its name
+    h.cause("g0", "vLLM server restarted", now=65.0)
+    h.cause("g0", "named twice", now=66.0)  # a named fault keeps its name, and is over: a new one opens
+    h.observe("g0", serving=True, now=70.0)
     assert [(f["what"], f["recovered_s"]) for f in h.fault_list()] == [
         (ACTOR_DIED, 35.0),
         ("vLLM server restarted", 10.0),
+        ("named twice", 4.0),
+    ]
+
+
+def test_a_cause_learnt_before_the_pool_saw_the_replica_out_names_the_fault_it_opens():
+    # CI's chaos run: the pool read g0's restart count before its round saw g0 out of routing, and the
+    # engine kill was recorded as "out of routing (vLLM server exited with code 0)", with no cause.
+    h = ReplicaHistory()
+    h.observe("g0", serving=True, now=1.0)
+    h.cause("g0", "vLLM server restarted (vLLM server exited with code 0)", now=10.0)
+    h.observe("g0", serving=False, why="vLLM server exited with code 0", now=12.0)
+    h.observe("g0", serving=True, now=38.0)
+    # An unnamed fault long over is not named by a cause learnt much later: that is a fault of its own.
+    h.observe("g0", serving=False, why="health check failed: timeout", now=100.0)
+    h.observe("g0", serving=True, now=110.0)
+    h.cause("g0", "vLLM server restarted (vLLM server failed /health 3 times in a row)", now=500.0)
+    h.observe("g0", serving=True, now=505.0)
+    assert [(f["time"], f["what"], f["recovered_s"]) for f in h.fault_list()] == [
+        (10.0, "vLLM server restarted (vLLM server exited with code 0)", 28.0),
+        (100.0, "out of routing (health check failed: timeout)", 10.0),
+        (500.0, "vLLM server restarted (vLLM server failed /health 3 times in a row)", 5.0),
     ]
 
 
