@@ -10,6 +10,9 @@ QUICK  ?=
 .PHONY: setup tools demo test test-fast lint format bench monitor clean
 # Debian's prometheus, unpacked (not installed: no service, nothing system-wide); a test scrapes a run with it.
 PROMETHEUS := .cache/tools/prometheus/usr/bin/prometheus
+# Debian's headless Chromium, installed (it needs its libraries): a test opens the Ray dashboard in it.
+CHROMIUM   := /usr/bin/chromium-headless-shell
+APT_GET    := DEBIAN_FRONTEND=noninteractive apt-get -q -y --no-install-recommends
 
 setup: $(STAMP)
 
@@ -27,7 +30,10 @@ else
 endif
 	touch $(STAMP)
 
-tools: $(PROMETHEUS)
+tools: $(PROMETHEUS) $(CHROMIUM)
+
+$(CHROMIUM):
+	$(APT_GET) install chromium-headless-shell || (apt-get update -q && $(APT_GET) install chromium-headless-shell)
 
 $(PROMETHEUS):
 	mkdir -p .cache/tools

@@ -32,6 +32,7 @@ import tempfile
 import time
 import urllib.parse
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -114,12 +115,18 @@ def runtime_env() -> dict:
     }
 
 
-def connect(config: RunConfig) -> bool:
+class Connection(NamedTuple):
+    local: bool
+    """True when connect() started a private local Ray: then, and only then, servers may bind loopback."""
+    dashboard: str | None
+    """Where that cluster's Ray dashboard answers (None: not known, or it runs without one)."""
+
+
+def connect(config: RunConfig) -> Connection:
     """Join the configured or running Ray cluster; else start a private local one that declares the
-    trainer and generator resources itself (a laptop has no node types). True when it started one:
-    then, and only then, servers may bind loopback."""
+    trainer and generator resources itself (a laptop has no node types)."""
     if ray.is_initialized():
-        return False
+        return Connection(False, None)
     if (
         not sys.stdout.isatty()
     ):  # `ray job logs`, a file, a pipe: the actors' log prefixes without ANSI colours
@@ -127,24 +134,27 @@ def connect(config: RunConfig) -> bool:
     env = runtime_env()
     address = config.cluster.address or os.environ.get("RAY_ADDRESS")
     if address and address != "local":
-        ray.init(address=address, runtime_env=env)
-        return False
+        return Connection(False, _dashboard(ray.init(address=address, runtime_env=env)))
     # Join a cluster started with `ray start` on this machine, but never scan for other users' Ray
     # processes (what address="auto" does when the address file is missing).
     if address is None and os.path.exists(os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster")):
         try:
-            ray.init(address="auto", runtime_env=env)
-            return False
+            return Connection(False, _dashboard(ray.init(address="auto", runtime_env=env)))
         except ConnectionError:
             pass
-    ray.init(
+    context = ray.init(
         address="local",
         num_cpus=os.cpu_count(),
         # Room for the most generators the pool controller may run (a laptop has no autoscaler).
         resources={"trainer": 1, "generator": config.generator.replica_bounds[1]},
         runtime_env=env,
     )
-    return True
+    return Connection(True, _dashboard(context))
+
+
+def _dashboard(context) -> str | None:
+    url = getattr(context, "dashboard_url", None)  # "host:port", or "" when Ray runs without one
+    return f"http://{url}" if url else None
 
 
 def placement_requests(config: RunConfig) -> list[Request]:

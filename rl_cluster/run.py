@@ -129,7 +129,7 @@ async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
     status, error, cluster = "finished", None, None
     result = {"history": [], "syncs": [], "checkpoints": []}
     try:
-        loopback = connect(config)
+        loopback, dashboard = connect(config)
         _on_signals(_cancel_once(asyncio.current_task()))  # again: ray.init put its own SIGTERM handler in
         if not loopback:  # a private local Ray declared the resources itself
             await check_placeable(config)  # RunRefused in seconds where no node can ever hold an actor
@@ -146,9 +146,7 @@ async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
         )
         cluster.trainer = trainer_actor(config, cluster.proxy_url, secrets)
         cluster.placement["trainer"] = await cluster.trainer.placement.remote()
-        for actor, where in cluster.placement.items():
-            print(f"  {actor:<14} on {where['address']}", flush=True)
-        print(f"Ray metrics (rl_trainer_*, rl_proxy_*, rl_generator_*): {metrics_exports()}", flush=True)
+        _print_where(cluster.placement, dashboard)
         result = await train_through_restarts(cluster.trainer, resume)
     except RunRefused:
         with contextlib.suppress(Exception):
@@ -156,14 +154,7 @@ async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
         raise  # nothing started: no summary, exit status 2 (rl_cluster.commands.guarded)
     except (asyncio.CancelledError, SystemExit):  # SystemExit: ray.init's own SIGTERM handler, during connect
         asyncio.current_task().uncancel()  # the stop is handled here; the cleanup's awaits must run
-        if lease.lost is None:
-            status = "stopped"
-            print(
-                f"\nrun {config.run_name}: stop requested; collecting what it did, then stopping", flush=True
-            )
-        else:
-            status, error = "failed", f"LeaseLost: {lease.lost}"
-            print(f"\nrun {config.run_name} failed: {error}; stopping", flush=True)
+        status, error = _stopped(config, lease)
     except Exception as e:
         status, error = "failed", f"{type(e).__name__}: {e}"
         print(f"\nrun {config.run_name} failed: {error}", flush=True)
@@ -180,6 +171,16 @@ async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
     written = ["summary.json", *(["metrics.jsonl", "curves.png"] if summary["steps"] else [])]
     print(f"\nwritten to {bucket.run_uri(config.run_name)}/ ({', '.join(written)})", flush=True)
     return summary
+
+
+def _stopped(config: RunConfig, lease) -> tuple[str, str | None]:
+    """The status and error of a run cancelled by a stop (a signal, `ray job stop`) or by a lost lease."""
+    if lease.lost is None:
+        print(f"\nrun {config.run_name}: stop requested; collecting what it did, then stopping", flush=True)
+        return "stopped", None
+    error = f"LeaseLost: {lease.lost}"
+    print(f"\nrun {config.run_name} failed: {error}; stopping", flush=True)
+    return "failed", error
 
 
 # How long the trainer may stay unreachable before the run gives up on it: Ray declares a silent node dead
@@ -306,11 +307,8 @@ async def _summarize_run(config: RunConfig, bucket, cluster, result: dict, statu
     if cluster is not None and cluster.trainer is not None:
         await _bounded(cluster.trainer.finish.remote(summary), None)
     if result["history"]:
-        bucket.write_bytes(
-            config.run_name,
-            "curves.png",
-            curves_png(result["history"], config.run_name, evals=result.get("evals")),
-        )
+        curves = curves_png(result["history"], config.run_name, evals=result.get("evals"))
+        bucket.write_bytes(config.run_name, "curves.png", curves)
     return summary
 
 
@@ -319,6 +317,15 @@ def _write_summary(bucket, config: RunConfig, summary: dict, result: dict) -> No
     summary["resumed_from_step"] = result.get("resumed_from_step")
     summary["experience"] = result.get("experience")
     bucket.write_text(config.run_name, "summary.json", json.dumps(summary, indent=2))
+
+
+def _print_where(placement: dict, dashboard: str | None) -> None:
+    """Where each actor runs, and where to watch the run: Ray's metrics exports and its dashboard."""
+    for actor, where in placement.items():
+        print(f"  {actor:<14} on {where['address']}", flush=True)
+    print(f"Ray metrics (rl_trainer_*, rl_proxy_*, rl_generator_*): {metrics_exports()}", flush=True)
+    if dashboard:
+        print(f"Ray dashboard: {dashboard}", flush=True)
 
 
 def metrics_exports() -> str:
@@ -364,7 +371,7 @@ async def serve(config: RunConfig) -> None:
     from rl_cluster.pool import start_pool
 
     stop = asyncio.Event()
-    loopback = connect(config)
+    loopback, dashboard = connect(config)
     _on_signals(stop.set)
     # A proxy others can reach always needs a token (every route but /health, /metrics); a generated one is
     # written to a file. On loopback it may stay open to this machine.
@@ -383,6 +390,8 @@ async def serve(config: RunConfig) -> None:
         try:
             cluster.pool = await start_pool(cluster)
             print(f"proxy listening on {cluster.proxy_url}", flush=True)
+            if dashboard:
+                print(f"Ray dashboard: {dashboard}", flush=True)
             if secrets.proxy_token and not config.proxy.auth_token:
                 path = write_token_file(config.run_name, secrets.proxy_token)
                 print(

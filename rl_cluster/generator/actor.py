@@ -54,6 +54,31 @@ UNHEALTHY_CHECKS = 3  # a server busy with long prefills may miss one /health; t
 HEALTH_TIMEOUT = aiohttp.ClientTimeout(total=10)
 
 
+def server_spec(config: RunConfig, model_dir: str, replica_index: int, host: str, api_key: str) -> ServerSpec:
+    """The vLLM server one replica runs: the run's model and generator settings, on a free port of `host`,
+    pinned to a core of its own on a CPU."""
+    g, model = config.generator, config.model
+    use_gpu = g.num_gpus > 0
+    return ServerSpec(
+        model=model_dir,
+        port=_free_port(host),
+        host=host,
+        dtype=model.dtype,
+        max_model_len=model.max_model_len,
+        max_loras=g.max_loras,
+        max_lora_rank=g.max_lora_rank,
+        logprobs_mode=g.logprobs_mode,
+        enable_prefix_caching=g.enable_prefix_caching,
+        kv_cache_gb=g.kv_cache_gb,
+        cpu_core=(replica_index % (os.cpu_count() or 1)) if (g.pin_cpu_cores and not use_gpu) else None,
+        use_gpu=use_gpu,
+        gpu_memory_utilization=g.gpu_memory_utilization,
+        extra_args=tuple(g.extra_args),
+        served_model_name=model.path,
+        api_key=api_key,
+    )
+
+
 class Generator:
     def __init__(
         self,
@@ -123,32 +148,13 @@ class Generator:
                 "last_restart": reasons[-1] if reasons else None}  # fmt: skip
 
     async def _start(self, replica_index: int, proxy) -> str:
-        g, model = self.config.generator, self.config.model
+        model = self.config.model
         model_dir = await asyncio.to_thread(resolve_model, model.path, model.revision)
         self.base_fingerprint = model_fingerprint(model_dir)
-        host = self.host
-        use_gpu = g.num_gpus > 0
-        spec = ServerSpec(
-            model=str(model_dir),
-            port=_free_port(host),
-            host=host,
-            dtype=model.dtype,
-            max_model_len=model.max_model_len,
-            max_loras=g.max_loras,
-            max_lora_rank=g.max_lora_rank,
-            logprobs_mode=g.logprobs_mode,
-            enable_prefix_caching=g.enable_prefix_caching,
-            kv_cache_gb=g.kv_cache_gb,
-            cpu_core=(replica_index % (os.cpu_count() or 1)) if (g.pin_cpu_cores and not use_gpu) else None,
-            use_gpu=use_gpu,
-            gpu_memory_utilization=g.gpu_memory_utilization,
-            extra_args=tuple(g.extra_args),
-            served_model_name=model.path,
-            api_key=self.api_key,
-        )
+        spec = server_spec(self.config, str(model_dir), replica_index, self.host, self.api_key)
         self.server = VLLMServer(spec, self.log_dir / f"vllm-{self.replica_id}.log")
         self.server.start()
-        await self.server.wait_healthy(g.startup_timeout_s)
+        await self.server.wait_healthy(self.config.generator.startup_timeout_s)
         # The replica demands the run's key on every route; this actor's calls carry it.
         self._session = aiohttp.ClientSession(headers=bearer_headers(self.api_key))
         self.vllm = HttpAdapterLoader(self.server.url, self._session)

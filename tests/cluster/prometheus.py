@@ -88,3 +88,38 @@ def query(url: str, expr: str) -> list[dict]:
     )
     assert answer["status"] == "success", answer
     return answer["data"]["result"]
+
+
+def query_range(url: str, expr: str, start: float, end: float, step_s: float = 2.0) -> list[dict]:
+    """The range vectors `expr` evaluates to from `start` to `end` (Unix seconds), as Grafana asks for a
+    panel's curve (Prometheus's /api/v1/query_range)."""
+    params = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step_s:g}s"}
+    answer = json.loads(
+        urllib.request.urlopen(
+            f"{url}/api/v1/query_range?{urllib.parse.urlencode(params)}", timeout=30
+        ).read()
+    )
+    assert answer["status"] == "success", answer
+    return answer["data"]["result"]
+
+
+def plot_range(series: list[dict], title: str, path: Path) -> None:
+    """A PNG of `series` (query_range's answer) against seconds since its first sample, one line each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = min(float(s["values"][0][0]) for s in series)
+    fig, ax = plt.subplots(figsize=(8, 3.5), dpi=100)
+    for s in series:
+        label = ", ".join(f"{k}={v}" for k, v in sorted(s["metric"].items())) or None
+        ax.plot([float(t) - t0 for t, _ in s["values"]], [float(v) for _, v in s["values"]], label=label)
+    ax.set(title=title, xlabel="seconds since the first sample")
+    ax.grid(alpha=0.3)
+    if len(series) > 1:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)

@@ -5,7 +5,9 @@ math_reward, with held-out evals through the proxy: eval pass@1 after the run be
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import re
 import signal
 import subprocess
@@ -16,7 +18,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from cluster.prometheus import panel_queries, prometheus, query
+from cluster.browser import RAY_TOKEN_COOKIE, browser
+from cluster.prometheus import panel_queries, plot_range, prometheus, query, query_range
 from prometheus_client.parser import text_string_to_metric_families
 
 from rl_cluster.data.tiny_math import write_task
@@ -26,6 +29,10 @@ REPO = Path(__file__).resolve().parents[2]
 RUN = "e2e-math"
 STEPS = 20
 EXPORT = re.compile(r"^Ray metrics \(.*\): http://[^:]+:(\d+)/metrics", re.M)
+DASHBOARD = re.compile(r"^Ray dashboard: (http://\S+)", re.M)
+# Where the screenshots and the PromQL plot land, for README's pictures (docs/img/ holds copies).
+PICTURES = REPO / ".cache" / "pictures"
+REWARD = f'max(ray_rl_trainer_reward{{run=~"{RUN}"}})'
 
 
 def eval_metric(run: subprocess.Popen, log: Path, timeout_s: float = 300) -> dict[str, float]:
@@ -54,16 +61,42 @@ def eval_metric(run: subprocess.Popen, log: Path, timeout_s: float = 300) -> dic
     raise AssertionError(f"no ray_rl_trainer_eval of {RUN} in the metrics export:\n{log.read_text()[-3000:]}")
 
 
-def discovery_file(log: Path, timeout_s: float = 120) -> Path:
+def discovery_file(log: Path, timeout_s: float = 300) -> Path:
     """Ray's prom_metrics_service_discovery.json of the run's local Ray, once it lists the export the
     driver printed (the run's private Ray is the newest session under Ray's temporary directory)."""
-    port = EXPORT.search(log.read_text(errors="replace")).group(1)
     path = Path(tempfile.gettempdir(), "ray", "session_latest", "prom_metrics_service_discovery.json")
     deadline = time.monotonic() + timeout_s
-    while not (path.exists() and f":{port}" in path.read_text()):
-        assert time.monotonic() < deadline, f"{path} never listed the metrics export on port {port}"
+    while True:
+        port = EXPORT.search(log.read_text(errors="replace"))
+        if port and path.exists() and f":{port.group(1)}" in path.read_text():
+            return path
+        assert time.monotonic() < deadline, f"{path} never listed the metrics export the driver printed"
         time.sleep(1)
-    return path
+
+
+def dashboard_pages(log: Path, work: Path) -> dict[str, str]:
+    """The Ray dashboard the driver printed, opened in a real browser as a user would (signed in with
+    `ray get-auth-token`): the text of its jobs page once it shows this run's driver, and of its actors
+    page once it shows each of the run's named actors; screenshots of both go to PICTURES."""
+    url = DASHBOARD.search(log.read_text(errors="replace"))
+    assert url, f"the driver printed no Ray dashboard:\n{log.read_text(errors='replace')[-3000:]}"
+    ray_cli = Path(sys.executable).parent / "ray"
+    token = subprocess.run(
+        [ray_cli, "get-auth-token"], capture_output=True, text=True, timeout=60
+    ).stdout.strip()
+    cookies = {RAY_TOKEN_COOKIE: token} if token else {}
+    actors = [f"{RUN}-trainer", f"{RUN}-proxy", f"{RUN}-generator-g0", f"{RUN}-pool"]
+
+    async def visit() -> dict[str, str]:
+        async with browser(work) as chromium:
+            jobs = await chromium.show(f"{url.group(1)}/#/jobs", ["train_grpo.py", "RUNNING"],
+                                       PICTURES / "dashboard_jobs.png", cookies)  # fmt: skip
+            shown = await chromium.show(
+                f"{url.group(1)}/#/actors", actors, PICTURES / "dashboard_actors.png", cookies
+            )
+            return {"jobs": jobs, "actors": shown}
+
+    return asyncio.run(visit())
 
 
 # Not in a healthy run: a Ray counter that never counted (no request was retried) has no series.
@@ -109,17 +142,24 @@ def test_eval_pass_at_1_rises_on_the_tiny_math_task(tmp_path):
             [sys.executable, "jobs/train_grpo.py", "--config", "jobs/configs/cpu_math.toml", *overrides,
              f"run_name={RUN}", "cluster.address=local", "generator.replicas=1", f"trainer.max_steps={STEPS}",
              "eval.every_steps=10"],
-            cwd=REPO, stdout=sink, stderr=subprocess.STDOUT,
+            # Ray's metrics reach its export every second (10 s by default): the curves get a point per step.
+            cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "RAY_metrics_report_interval_ms": "1000"},
         )  # fmt: skip
         try:
-            # While it runs: the eval scores in Ray's own metrics export (the multi-node test checks the
-            # others; its demo runs no eval). The driver prints each node's export; scraped on loopback.
-            exported = eval_metric(run, log)
-            # And through a real Prometheus fed by Ray's service-discovery file: every query of the Grafana
-            # dashboard returns data, as Grafana would ask it.
+            # From the start: a real Prometheus fed by Ray's service-discovery file. Every query of the Grafana
+            # dashboard returns data, as Grafana would ask it, and the reward's curve over the run.
             with prometheus(discovery_file(log), tmp_path / "prometheus") as prom:
+                started = time.time()
+                # The eval scores in Ray's own metrics export (the multi-node test checks the others; its
+                # demo runs no eval). The driver prints each node's export; scraped on loopback.
+                exported = eval_metric(run, log)
+                # Meanwhile, the Ray dashboard in a real browser: the job, and the run's actors by name.
+                pages = dashboard_pages(log, tmp_path / "chromium")
                 unanswered, answers = panels_answering(prom, run)
-            assert run.wait(timeout=420) == 0, log.read_text(errors="replace")[-6000:]
+                assert run.wait(timeout=420) == 0, log.read_text(errors="replace")[-6000:]
+                curve = query_range(prom, REWARD, started, time.time(), step_s=1.0)
+            assert curve, f"Prometheus holds no {REWARD} over the run"
+            plot_range(curve, f"{REWARD}, from Prometheus", PICTURES / "promql_reward.png")
         finally:
             if run.poll() is None:  # a failed check: stop the run as Ctrl+C does (it cleans up after itself)
                 run.send_signal(signal.SIGINT)
@@ -137,8 +177,12 @@ def test_eval_pass_at_1_rises_on_the_tiny_math_task(tmp_path):
         for r in answers['max(ray_rl_generator_kv_cache_usage{run=~"e2e-math"}) by (replica)']
     } == {"g0"}
     assert answers['sum(rate(ray_rl_proxy_route_total{run=~"e2e-math"}[1m])) by (reason)'], answers
-    (reward,) = answers['max(ray_rl_trainer_reward{run=~"e2e-math"})']
+    (reward,) = answers[REWARD]
     assert 0.0 <= float(reward["value"][1]) <= 1.0, reward
+    (points,) = curve  # one series: the run's reward, a point a second while it trained
+    assert len(points["values"]) >= 5 and all(0 <= float(v) <= 1 for _, v in points["values"]), points
+    assert "RUNNING" in pages["jobs"] and "ALIVE" in pages["actors"], pages
+    print(f"dashboard screenshots and the reward's PromQL plot in {PICTURES}")
     run_dir = tmp_path / "bucket" / RUN
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
