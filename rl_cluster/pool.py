@@ -79,6 +79,54 @@ def rules_for(g: GeneratorConfig) -> ScalingRules:
     )
 
 
+def snapshot(
+    generators, stats: dict, now: float, leaving: set[str], replacing: int
+) -> tuple[PoolSnapshot, dict]:
+    """The policy's view of the run's `generators`, in the order they joined (replicas the proxy has from
+    elsewhere are not the pool's to count or stop), from the proxy's `stats`. `leaving`: replicas on their
+    way out; `replacing`: replacements of drained replicas, counted before their actors exist."""
+    proxy_view = stats.get("replicas", {})
+    serving: dict[str, ReplicaLoad] = {}
+    starting, out, gone = [], [], []
+    for rid in generators:
+        state = proxy_view.get(rid, {}).get("state")
+        if rid in leaving:
+            gone.append(rid)
+        elif state == "active":
+            serving[rid] = ReplicaLoad(proxy_view[rid]["in_flight"], proxy_view[rid]["requests"])
+        elif state in OUT_FOR_NOW:
+            out.append(rid)
+        elif state is None or state in ARRIVING:
+            starting.append(rid)  # waiting for a node, starting vLLM, or catching up
+    snap = PoolSnapshot(now, serving, starting=len(starting) + replacing, unavailable=len(out),
+                        queued=stats.get("queued", 0))  # fmt: skip
+    return snap, {"serving": list(serving), "starting": starting, "unavailable": out, "leaving": gone}
+
+
+async def first_request(proxy, new: list[str], event: ScaleEvent, decided: float) -> None:
+    """Watch (finely: it is what a scale-out is measured by) until a new replica got a request."""
+    while True:
+        replicas = (await proxy.stats.remote())["replicas"]
+        if any(replicas.get(rid, {}).get("requests") for rid in new):
+            event.first_request_s = round(time.monotonic() - decided, 3)
+            print(f"pool: {new} served a first request {event.first_request_s:.1f} s after the decision",
+                  flush=True)  # fmt: skip
+            return
+        if not any(rid in replicas for rid in new):
+            return  # removed before anything was routed to it
+        await asyncio.sleep(FIRST_REQUEST_POLL_S)
+
+
+async def discard(cluster, rid: str) -> None:
+    """A generator that never came up: kill it (a pending one just stops waiting for a node) and make sure
+    the proxy forgets it (it may have registered and be catching up)."""
+    actor = cluster.generators.pop(rid, None)
+    if actor is not None:
+        ray.kill(actor)
+    with contextlib.suppress(Exception):
+        await cluster.proxy.remove_replica.remote(rid, 0.0)
+
+
 class PoolController:
     def __init__(self, cluster):
         """`cluster`: the run's rl_cluster.cluster.Cluster after launch (proxy and first generators up).
@@ -113,7 +161,7 @@ class PoolController:
     async def status(self) -> dict:
         """Mode, bounds, replicas by condition, and every scale event so far."""
         stats = await self.cluster.proxy.stats.remote()
-        snap, by_state = self._snapshot(stats, time.monotonic())
+        snap, by_state = self._snapshot(stats)
         low, high = self.policy.rules.min_replicas, self.policy.rules.max_replicas
         return {
             "mode": "automatic" if self.policy.manual_target is None else "manual",
@@ -128,7 +176,7 @@ class PoolController:
     async def pool_size(self) -> int:
         """Replicas serving now: what generation throughput (and TRL's pipeline limits) can count on."""
         stats = await self.cluster.proxy.stats.remote()
-        return len(self._snapshot(stats, time.monotonic())[0].serving)
+        return len(self._snapshot(stats)[0].serving)
 
     async def proxy_restarts(self) -> int:
         """How often the proxy was restarted (and restored) so far: summary.json's proxy_restarts."""
@@ -251,7 +299,7 @@ class PoolController:
 
     async def step(self) -> Decision | None:
         stats = await self.cluster.proxy.stats.remote()
-        snap, by_state = self._snapshot(stats, time.monotonic())
+        snap, by_state = self._snapshot(stats)
         if stats.get("serving", True):  # a proxy awaiting its restore knows no replica yet
             replicas = stats.get("replicas", {})
             for rid in (*by_state["serving"], *by_state["starting"], *by_state["unavailable"]):
@@ -262,28 +310,8 @@ class PoolController:
             self._apply(decision, snap.size)
         return decision
 
-    def _snapshot(self, stats: dict, now: float) -> tuple[PoolSnapshot, dict]:
-        """The policy's view of the generators this controller runs, in the order they joined (replicas
-        the proxy has from elsewhere are not ours to count or stop)."""
-        proxy_view = stats.get("replicas", {})
-        serving: dict[str, ReplicaLoad] = {}
-        starting, out, leaving = [], [], []
-        for rid in self.cluster.generators:
-            state = proxy_view.get(rid, {}).get("state")
-            if rid in self._leaving:
-                leaving.append(rid)
-            elif state == "active":
-                serving[rid] = ReplicaLoad(proxy_view[rid]["in_flight"], proxy_view[rid]["requests"])
-            elif state in OUT_FOR_NOW:
-                out.append(rid)
-            elif state is None or state in ARRIVING:
-                starting.append(rid)  # waiting for a node, starting vLLM, or catching up
-        # Replacements of drained replicas, counted before their actors exist (and while they start).
-        replacing = len(self._replacing)
-        snap = PoolSnapshot(now, serving, starting=len(starting) + replacing, unavailable=len(out),
-                            queued=stats.get("queued", 0))  # fmt: skip
-        by_state = {"serving": list(serving), "starting": starting, "unavailable": out, "leaving": leaving}
-        return snap, by_state
+    def _snapshot(self, stats: dict) -> tuple[PoolSnapshot, dict]:
+        return snapshot(self.cluster.generators, stats, time.monotonic(), self._leaving, len(self._replacing))
 
     def _apply(self, decision: Decision, size: int) -> None:
         event = ScaleEvent(time.time(), size, size + decision.add - len(decision.remove), decision.reason)
@@ -315,35 +343,13 @@ class PoolController:
             except BaseException as e:  # timed out (no node came), failed to start, or the run ends
                 event.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 print(f"pool: adding {new} failed: {event.error}; given up", flush=True)
-                await asyncio.gather(*(self._discard(rid) for rid in new), return_exceptions=True)
+                await asyncio.gather(*(discard(self.cluster, rid) for rid in new), return_exceptions=True)
                 if isinstance(e, asyncio.CancelledError):
                     raise
                 return
         event.ready_s = round(time.monotonic() - decided, 3)
         print(f"pool: {new} caught up and active {event.ready_s:.1f} s after the decision", flush=True)
-        await self._first_request(new, event, decided)
-
-    async def _first_request(self, new: list[str], event: ScaleEvent, decided: float) -> None:
-        """Watch (finely: it is what the scale-out is measured by) until a new replica got a request."""
-        while True:
-            replicas = (await self.cluster.proxy.stats.remote())["replicas"]
-            if any(replicas.get(rid, {}).get("requests") for rid in new):
-                event.first_request_s = round(time.monotonic() - decided, 3)
-                print(f"pool: {new} served a first request {event.first_request_s:.1f} s after the decision",
-                      flush=True)  # fmt: skip
-                return
-            if not any(rid in replicas for rid in new):
-                return  # removed before anything was routed to it
-            await asyncio.sleep(FIRST_REQUEST_POLL_S)
-
-    async def _discard(self, rid: str) -> None:
-        """A generator that never came up: kill it (a pending one just stops waiting for a node) and make
-        sure the proxy forgets it (it may have registered and be catching up)."""
-        actor = self.cluster.generators.pop(rid, None)
-        if actor is not None:
-            ray.kill(actor)
-        with contextlib.suppress(Exception):
-            await self.cluster.proxy.remove_replica.remote(rid, 0.0)
+        await first_request(self.cluster.proxy, new, event, decided)
 
     async def _shrink(self, rid: str, event: ScaleEvent, decided: float, timeout_s: float | None = None,
                       why: str = REMOVED) -> None:  # fmt: skip
