@@ -18,7 +18,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench import async_vs_sync, capacity, experience, handoff, overhead, report, routing, scaling
+from bench import async_vs_sync, broadcast, capacity, experience, handoff, overhead, report, routing, scaling
 from bench.common import REPO, machine, vllm_servers, warm_up
 
 
@@ -37,17 +37,22 @@ class Plan:
     capacity_upstreams: int
     capacity_connections: int
     capacity_seconds: float
+    capacity_many_upstreams: int  # ours again, in front of this many stubs
+    broadcast_sizes: tuple[int, ...]  # replicas behind the proxy, the first 1 (the baseline)
+    broadcast_versions: int
 
 
 FULL = Plan(
     reps=5, routing_groups=32, groups_in_flight=4, max_tokens=32, overhead_requests=300, overhead_concurrency=4,
     scaling_groups=32, handoff_versions=10, train_steps=30, train_reps=2,
-    capacity_upstreams=8, capacity_connections=64, capacity_seconds=5.0,
+    capacity_upstreams=8, capacity_connections=64, capacity_seconds=5.0, capacity_many_upstreams=256,
+    broadcast_sizes=(1, 8, 32, 128, 256), broadcast_versions=10,
 )  # fmt: skip
 QUICK = Plan(
     reps=1, routing_groups=4, groups_in_flight=2, max_tokens=16, overhead_requests=24, overhead_concurrency=4,
     scaling_groups=4, handoff_versions=3, train_steps=6, train_reps=1,
-    capacity_upstreams=4, capacity_connections=16, capacity_seconds=1.5,
+    capacity_upstreams=4, capacity_connections=16, capacity_seconds=1.5, capacity_many_upstreams=64,
+    broadcast_sizes=(1, 8, 32), broadcast_versions=3,
 )  # fmt: skip
 BENCHMARKS = {  # run in this order, on the same two replicas
     "routing": routing.run,
@@ -57,6 +62,7 @@ BENCHMARKS = {  # run in this order, on the same two replicas
     "async_vs_sync": async_vs_sync.run,
     "experience": experience.run,
     "capacity": capacity.run,  # stubs, not the replicas: the proxy alone
+    "broadcast": broadcast.run,  # a fleet of stubs: the proxy alone
 }
 
 

@@ -315,23 +315,27 @@ async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
     cores = sorted(os.sched_getaffinity(0))
     router_core = {cores[0]} if len(cores) > 1 else None
     load_core = {cores[-1]} if len(cores) > 1 else None
-    n = plan.capacity_upstreams
+    n, many = plan.capacity_upstreams, plan.capacity_many_upstreams
     notes = []
     async with contextlib.AsyncExitStack() as stack:
         stubs = await stack.enter_async_context(
-            json_service(["-m", "bench.capacity", "stubs", str(n)], log_dir / "stubs.log", cores=load_core)
-        )
+            json_service(["-m", "bench.capacity", "stubs", str(max(n, many))], log_dir / "stubs.log",
+                         cores=load_core)
+        )  # fmt: skip
         stubs_pid = pid_serving(stubs[0])
-        paths = {
-            f"rl_cluster proxy ({n} upstreams)": await stack.enter_async_context(
+        paths = {}
+        # Ours on the first n stubs (the row every other is compared with), and on `many` of them: what the
+        # per-request cost does as the replica count grows.
+        for size in (n, many):
+            paths[f"rl_cluster proxy ({size} upstreams)"] = await stack.enter_async_context(
                 proxy_process(
-                    {f"s{i}": u for i, u in enumerate(stubs)}, log_dir / "proxy.log", cores=router_core
+                    {f"s{i}": u for i, u in enumerate(stubs[:size])}, log_dir / f"proxy-{size}.log",
+                    cores=router_core,
                 )
-            )
-        }
+            )  # fmt: skip
         if vllm_router_available():
             paths[f"vllm-router, cache_aware ({n} upstreams)"] = await stack.enter_async_context(
-                vllm_router(stubs, "cache_aware", log_dir / "vllm-router.log", cores=router_core)
+                vllm_router(stubs[:n], "cache_aware", log_dir / "vllm-router.log", cores=router_core)
             )
         else:
             notes.append("vllm-router is not installed: its row is missing.")
@@ -372,6 +376,7 @@ async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
         "notes": notes,
         "load": {
             "upstreams": n,
+            "many_upstreams": many,
             "connections": plan.capacity_connections,
             "seconds": plan.capacity_seconds,
             "prompt_tokens": PROMPT_TOKENS,

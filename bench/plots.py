@@ -91,6 +91,22 @@ def async_vs_sync(r: dict, path: Path) -> Path:
     return _save(plt, fig, path)
 
 
+def broadcast(r: dict, path: Path) -> Path:
+    plt, fig, (a, b) = _figure()
+    n = [x["replicas"] for x in r["rows"]]
+    a.plot(n, [1000 * x["p50_s"] for x in r["rows"]], "o-", label="p50")
+    a.plot(n, [1000 * x["max_s"] for x in r["rows"]], "s--", label="max")
+    a.axhline(r["load_ms"], color="grey", lw=0.8, ls=":", label="one replica's load")
+    a.set(xscale="log", xlabel="replicas", title="sync: load on every replica (ms)")
+    a.legend(fontsize=7)
+    b.plot(n, [x["vs_one_replica"] for x in r["rows"]], "o-")
+    b.set(xscale="log", xlabel="replicas", title="p50 vs one replica")
+    for ax in (a, b):
+        ax.title.set_fontsize(9)
+        ax.grid(alpha=0.3)
+    return _save(plt, fig, path)
+
+
 def draw_all(results: dict, plots_dir: Path) -> dict[str, Path]:
     drawers = {
         "routing": routing,
@@ -98,6 +114,7 @@ def draw_all(results: dict, plots_dir: Path) -> dict[str, Path]:
         "handoff": handoff,
         "scaling": scaling,
         "async_vs_sync": async_vs_sync,
+        "broadcast": broadcast,
     }
     return {
         key: draw(results[key], plots_dir / f"{key}.png")

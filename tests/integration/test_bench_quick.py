@@ -30,10 +30,11 @@ SECTIONS = {
     "## 5. Asynchronous vs synchronous GRPO": 2,
     "## 6. Proxy capacity": 2,  # ours and the pass-through (and vllm-router when installed)
     "## 7. Experience store overhead": 2,  # on and off
+    "## 8. Broadcast at scale": 3,  # a sync on 1, 8 and 32 stub replicas
 }
 LABEL_COLUMNS = {"## 2. Proxy overhead": 2}  # path and load
 NUMBER = re.compile(r"[-+]?\d+(\.\d+)?")
-PLOTS = ("routing", "overhead", "handoff", "scaling", "async_vs_sync")
+PLOTS = ("routing", "overhead", "handoff", "scaling", "async_vs_sync", "broadcast")
 
 
 def table_rows(text: str, heading: str) -> list[list[str]]:
@@ -69,7 +70,7 @@ def test_report_has_every_table_with_numbers_and_the_plots(bench_run):
     text, results, out_dir = bench_run
     assert "FAILED" not in text
     assert not [name for name, r in results.items() if isinstance(r, dict) and "error" in r]
-    assert results["plan"] == asdict(QUICK)
+    assert results["plan"] == json.loads(json.dumps(asdict(QUICK)))  # as results.json holds it (lists)
     for heading, min_rows in SECTIONS.items():
         assert heading in text, heading
         rows = table_rows(text, heading)
@@ -157,6 +158,8 @@ def test_capacity_is_measured_against_the_same_stubs(bench_run):
         assert r["reps"] == QUICK.reps and r["requests_per_s"] > 0 and r["p50_ms"] > 0, r
         assert 0 < r["router_cpu_share"] <= 1.2, r  # pinned to one core (some slack for sampling)
     assert capacity["load"]["upstreams"] == QUICK.capacity_upstreams
+    many = rows[f"rl_cluster proxy ({QUICK.capacity_many_upstreams} upstreams)"]  # ours again, more replicas
+    assert f"{QUICK.capacity_many_upstreams} upstreams routes **{many['vs_ours']:.2f}x**" in text
     # The published run: 500 steps x 128 requests in 53 minutes over 4 replicas.
     assert capacity["seed"]["per_replica_rps"] == pytest.approx(500 * 128 / (53 * 60) / 4)
     fronted = ours["requests_per_s"] / capacity["seed"]["per_replica_rps"]
@@ -220,3 +223,18 @@ def test_the_experience_store_costs_are_measured_side_by_side(bench_run):
     # Every trained sample was written (32 a step; more with those dropped or pulled after the last step).
     assert x["rows_per_step"] >= 32 and x["bytes_per_step"] > 0 and x["lost_rows"] == 0, x
     assert f"**{x['step_time_ratio']:.3f}×**" in text
+
+
+def test_a_broadcast_is_timed_on_each_fleet_size_against_one_replica(bench_run):
+    _, results, _ = bench_run
+    broadcast = results["broadcast"]
+    rows = broadcast["rows"]
+    assert [r["replicas"] for r in rows] == list(QUICK.broadcast_sizes) and rows[0]["replicas"] == 1
+    assert all(r["syncs"] == QUICK.broadcast_versions for r in rows)
+    # No sync beats the slowest of its replicas' loads, each at least 0.8 x load_ms.
+    assert all(r["max_s"] >= r["p50_s"] >= 0.8 * broadcast["load_ms"] / 1000 for r in rows), rows
+    assert rows[0]["vs_one_replica"] == 1.0 and rows[0]["per_extra_replica_ms"] is None
+    assert all(abs(r["vs_one_replica"] - r["p50_s"] / rows[0]["p50_s"]) < 1e-9 for r in rows)
+    # The proxy does a load, a /v1/models check and an unload per replica per sync: more replicas, more CPU.
+    assert rows[-1]["proxy_cpu_ms_per_sync"] > rows[0]["proxy_cpu_ms_per_sync"], rows
+    assert all(0.0 <= r["fleet_cpu_share"] <= 1.5 for r in rows), rows  # one core, and psutil's tick
