@@ -6,6 +6,7 @@ math_reward, with held-out evals through the proxy: eval pass@1 after the run be
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import re
@@ -153,9 +154,12 @@ def test_eval_pass_at_1_rises_on_the_tiny_math_task(tmp_path):
                 # The eval scores in Ray's own metrics export (the multi-node test checks the others; its
                 # demo runs no eval). The driver prints each node's export; scraped on loopback.
                 exported = eval_metric(run, log)
-                # Meanwhile, the Ray dashboard in a real browser: the job, and the run's actors by name.
-                pages = dashboard_pages(log, tmp_path / "chromium")
-                unanswered, answers = panels_answering(prom, run)
+                # Meanwhile, in a thread (the run is short, and both need it alive): the Ray dashboard in a
+                # real browser, the job and the run's actors by name.
+                with concurrent.futures.ThreadPoolExecutor(1) as browsing:
+                    visit = browsing.submit(dashboard_pages, log, tmp_path / "chromium")
+                    unanswered, answers = panels_answering(prom, run)
+                    pages = visit.result()
                 assert run.wait(timeout=420) == 0, log.read_text(errors="replace")[-6000:]
                 curve = query_range(prom, REWARD, started, time.time(), step_s=1.0)
             assert curve, f"Prometheus holds no {REWARD} over the run"
