@@ -79,28 +79,25 @@ def prometheus(discovery_file: Path, work: Path, scrape_s: float = 1.0) -> Itera
             process.wait()
 
 
-def query(url: str, expr: str) -> list[dict]:
-    """The instant vector `expr` evaluates to now (Prometheus's /api/v1/query), as Grafana asks it."""
+def _api(url: str, path: str, params: dict) -> list[dict]:
+    """The result of one Prometheus HTTP API query (`path` under /api/v1/), which must have succeeded."""
     answer = json.loads(
-        urllib.request.urlopen(
-            f"{url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}", timeout=30
-        ).read()
+        urllib.request.urlopen(f"{url}/api/v1/{path}?{urllib.parse.urlencode(params)}", timeout=30).read()
     )
     assert answer["status"] == "success", answer
     return answer["data"]["result"]
+
+
+def query(url: str, expr: str) -> list[dict]:
+    """The instant vector `expr` evaluates to now (Prometheus's /api/v1/query), as Grafana asks it."""
+    return _api(url, "query", {"query": expr})
 
 
 def query_range(url: str, expr: str, start: float, end: float, step_s: float = 2.0) -> list[dict]:
     """The range vectors `expr` evaluates to from `start` to `end` (Unix seconds), as Grafana asks for a
     panel's curve (Prometheus's /api/v1/query_range)."""
     params = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step_s:g}s"}
-    answer = json.loads(
-        urllib.request.urlopen(
-            f"{url}/api/v1/query_range?{urllib.parse.urlencode(params)}", timeout=30
-        ).read()
-    )
-    assert answer["status"] == "success", answer
-    return answer["data"]["result"]
+    return _api(url, "query_range", params)
 
 
 def plot_range(series: list[dict], title: str, path: Path) -> None:
