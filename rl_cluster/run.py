@@ -264,7 +264,9 @@ async def _summarize_run(config: RunConfig, bucket, cluster, result: dict, statu
     stats: dict = {}
     if cluster is not None:
         if status != "finished" and cluster.trainer is not None:
-            result = await _bounded(cluster.trainer.report.remote(), result)
+            # Stopped first: a checkpoint it published (and one retention deleted) after this report would
+            # make summary.json's list wrong (CI saw it in the Ctrl-C'd chaos run).
+            result = await _bounded(cluster.trainer.stop.remote(), result)
         stats = await _bounded(cluster.proxy.stats.remote(), {})
     placement = cluster.placement if cluster else {}
     summary = summarize(result, stats, wall_time_s, status=status, error=error, placement=placement)

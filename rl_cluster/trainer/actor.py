@@ -20,7 +20,7 @@ from rl_cluster.nodes import node_placement
 from rl_cluster.telemetry import RayMetricSet
 from rl_cluster.trainer.build import build_trainer, evaluator, experience_writer
 from rl_cluster.trainer.check import check_sync
-from rl_cluster.trainer.checkpoints import newest_checkpoint, publish_checkpoint, read_state, restart_fault
+from rl_cluster.trainer.checkpoints import KeptCheckpoints, newest_checkpoint, read_state, restart_fault
 from rl_cluster.trainer.once import Once
 from rl_cluster.trainer.proxy_client import ProxyClient
 from rl_cluster.trainer.task import load_prompts
@@ -46,7 +46,7 @@ class Trainer:
         self._evaluator = None
         self.syncs: list[dict] = []
         self.last_sync: dict = {}
-        self.checkpoints: list[str] = []
+        self.checkpoints = KeptCheckpoints(self.bucket, config)
         # The trainer's restarts by Ray, as summary.json's `faults` lists them; the open one (this life's)
         # closes at the first step trained after it.
         self.faults: list[dict] = []
@@ -145,13 +145,9 @@ class Trainer:
             "evals": self.evals,
             "faults": self.faults,
         }
-        uri, deleted = publish_checkpoint(
-            self.bucket, self.config, step, local_dir, state, self._base_fingerprint
-        )
-        # summary.json lists what a resume can still use, not what retention already deleted.
-        gone = {self.bucket.checkpoint_uri(self.config.run_name, step) for step in deleted}
-        self.checkpoints = [kept for kept in self.checkpoints if kept not in gone] + [uri]
-        print(f"checkpoint step {step} published to {uri}", flush=True)
+        uri = self.checkpoints.publish(step, local_dir, state, self._base_fingerprint)
+        done = f"published to {uri}" if uri else "not published: the run is stopping"
+        print(f"checkpoint step {step} {done}", flush=True)
 
     # -- training --------------------------------------------------------------------------------------
     def _restore(self, checkpoint: str) -> None:
@@ -159,15 +155,13 @@ class Trainer:
         what happened after it is trained again. Groups that were in flight then are gone."""
         state = read_state(checkpoint)
         self.history, self.syncs = state["history"], state["syncs"]
-        self.evals = state.get("evals", [])
-        self.faults = state.get("faults", [])
+        self.evals, self.faults = state.get("evals", []), state.get("faults", [])
         done = state["groups"]
         self._groups_before = {**done, "generated": done["trained"] + done["dropped_stale"]}
 
     def run(self, resume: bool = False) -> dict:
-        """train(), once per life of this actor: a caller that lost its answer while this life went on (the
-        driver's call failed in a network partition, not in a restart) asks again and gets the outcome of
-        the same training, never a second one beside it. A life Ray restarted trains (and resumes) anew."""
+        """train(), once per life of this actor: a caller that lost its answer while this life went on (in a
+        network partition) asks again and gets the same training's outcome; a restarted life trains anew."""
         return self._once(self.train, resume)
 
     def train(self, resume: bool = False) -> dict:
@@ -231,7 +225,7 @@ class Trainer:
         self.trainer = build_trainer(
             c, model_dir, dataset, bucket=self.bucket, proxy=self.proxy, base_fingerprint=self._base_fingerprint,
             on_step=self._on_step, on_checkpoint=self._publish_checkpoint, on_sync=self._on_sync,
-            on_sample=self._on_sample,
+            on_sample=self._on_sample, stopping=self.checkpoints.stopping,
         )  # fmt: skip
         self._experience = experience_writer(c, self.bucket)
         if c.eval.every_steps:
@@ -257,13 +251,19 @@ class Trainer:
             "history": list(self.history),
             "evals": list(self.evals),
             "syncs": list(self.syncs),
-            "checkpoints": list(self.checkpoints),
+            "checkpoints": list(self.checkpoints.uris),
             "train_wall_s": time.time() - self._train_start if self._train_start else 0.0,
             "groups": self._group_counts(),
             "resumed_from_step": self.resumed_from_step,
             "faults": list(self.faults),
             "experience": self._experience.stats() if self._experience is not None else None,
         }
+
+    def stop(self) -> dict:
+        """The run ends early (stopped, or failed elsewhere): no checkpoint is published after this (nor deleted
+        by retention), and training ends at the step's end. Returns report(), with what the bucket keeps."""
+        self.checkpoints.stop()
+        return self.report()
 
     def finish(self, summary: dict) -> None:
         """The run's summary to W&B, and its W&B run closed (the driver calls this once it summarised).

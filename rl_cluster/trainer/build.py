@@ -6,6 +6,7 @@ loads them, the driver never does."""
 from __future__ import annotations
 
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -70,13 +71,15 @@ def build_trainer(
     on_checkpoint: Callable[[int, str], None],
     on_sync: Callable[[int, str, dict], None],
     on_sample: Callable,
+    stopping: threading.Event,
 ):
     """TRL's AsyncGRPOTrainer (our BucketSyncTrainer) with the run's LoRA, rewards, callbacks and admission
-    window; adapter versions continue after the highest the bucket ever held."""
+    window; adapter versions continue after the highest the bucket ever held. Training ends at the end of
+    a step once `stopping` is set."""
     from peft import LoraConfig
 
     from rl_cluster.trainer.compat import quiet_default_printer
-    from rl_cluster.trainer.grpo import BucketSyncTrainer, CheckpointPublisher, StepReporter
+    from rl_cluster.trainer.grpo import BucketSyncTrainer, CheckpointPublisher, StepReporter, StopWhenAsked
 
     c = config
     admission = admission_window(c)
@@ -93,7 +96,7 @@ def build_trainer(
         args=grpo_args(c, proxy.url, admission),
         train_dataset=dataset,
         peft_config=lora,
-        callbacks=[StepReporter(on_step), CheckpointPublisher(on_checkpoint)],
+        callbacks=[StepReporter(on_step), CheckpointPublisher(on_checkpoint), StopWhenAsked(stopping)],
         run_name=c.run_name,
         bucket=bucket,
         proxy=proxy,

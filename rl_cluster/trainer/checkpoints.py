@@ -1,11 +1,12 @@
-"""A run's checkpoints as the trainer uses them: published with the run's record, the newest verified one
-found for a resume, and the restart of a trainer by Ray told as a fault."""
+"""A run's checkpoints as the trainer uses them: published with the run's record (until the run stops),
+the newest verified one found for a resume, and the restart of a trainer by Ray told as a fault."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import shutil
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -30,6 +31,35 @@ def publish_checkpoint(
     shutil.rmtree(local_dir, ignore_errors=True)
     deleted = bucket.apply_checkpoint_retention(config.run_name, keep_last=config.trainer.keep_checkpoints)
     return uri, deleted
+
+
+class KeptCheckpoints:
+    """The checkpoints this life of the trainer published and retention still keeps, until stop(): after it
+    none is published, so a stopped run's summary lists exactly what the bucket keeps (before it, a trainer
+    that went on after the driver's report published one and retention deleted a listed one; CI saw it)."""
+
+    def __init__(self, bucket: Bucket, config: RunConfig):
+        self.bucket, self.config = bucket, config
+        self.uris: list[str] = []
+        self.stopping = threading.Event()  # set by stop(); training ends at the step's end (StopWhenAsked)
+        self._publishing = threading.Lock()
+
+    def publish(self, step: int, local_dir: str, state: dict, base_fingerprint: str) -> str | None:
+        """publish_checkpoint, and the list updated; None (nothing published) once stopping."""
+        with self._publishing:
+            if self.stopping.is_set():
+                return None
+            uri, deleted = publish_checkpoint(
+                self.bucket, self.config, step, local_dir, state, base_fingerprint
+            )
+            gone = {self.bucket.checkpoint_uri(self.config.run_name, step) for step in deleted}
+            self.uris = [kept for kept in self.uris if kept not in gone] + [uri]
+            return uri
+
+    def stop(self) -> None:
+        """No checkpoint is published after this returns; one being published completes first."""
+        with self._publishing:
+            self.stopping.set()
 
 
 def newest_checkpoint(

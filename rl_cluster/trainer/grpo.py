@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -200,6 +201,18 @@ class StepReporter(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if is_step_log(logs):
             self.report(state.global_step, dict(logs))
+
+
+class StopWhenAsked(TrainerCallback):
+    """Ends training at the end of the step under way once `asked` is set (the driver is stopping the run:
+    whatever the trainer did after the driver's summary would be missing from it)."""
+
+    def __init__(self, asked: threading.Event):
+        self.asked = asked
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.asked.is_set():
+            control.should_training_stop = True
 
 
 class CheckpointPublisher(TrainerCallback):

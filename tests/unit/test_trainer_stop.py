@@ -1,0 +1,60 @@
+"""Stopping the trainer: a run that ends early reports exactly the checkpoints the bucket keeps. Before,
+the trainer went on training after the driver's report, and a checkpoint published then (retention
+deleting the oldest) left summary.json listing one that was gone (CI's Ctrl-C'd chaos run)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from transformers import TrainerControl
+
+import rl_cluster.trainer.checkpoints as checkpoints_module
+from rl_cluster.bucket import Bucket
+from rl_cluster.config import load_config
+from rl_cluster.trainer.checkpoints import KeptCheckpoints
+from rl_cluster.trainer.grpo import StopWhenAsked
+
+CONFIG = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "cpu_demo.toml"
+
+
+def test_stop_waits_for_the_checkpoint_being_published_and_none_is_published_after_it(tmp_path, monkeypatch):
+    bucket = Bucket(str(tmp_path / "bucket"))
+    kept = KeptCheckpoints(bucket, load_config(CONFIG, ["run_name=stopping", f"bucket.uri={tmp_path}"]))
+    publishing, release, published = threading.Event(), threading.Event(), []
+
+    def publish(bucket, config, step, local_dir, state, fingerprint):  # retention keeps two
+        if step == 15:
+            publishing.set()
+            release.wait(10)
+        published.append(step)
+        return bucket.checkpoint_uri(config.run_name, step), [step - 10] if step > 10 else []
+
+    monkeypatch.setattr(checkpoints_module, "publish_checkpoint", publish)
+    for step in (5, 10):
+        kept.publish(step, "/nowhere", {}, "")
+    under_way = threading.Thread(target=kept.publish, args=(15, "/nowhere", {}, ""))
+    under_way.start()
+    assert publishing.wait(10)
+    stopping = threading.Thread(target=kept.stop)
+    stopping.start()
+    stopping.join(0.3)
+    assert stopping.is_alive()  # waits for the publish under way
+    release.set()
+    under_way.join(10)
+    stopping.join(10)
+    assert kept.stopping.is_set()
+
+    assert kept.publish(20, "/nowhere", {}, "") is None  # the step under way saves one more: not published
+    assert published == [5, 10, 15]
+    assert kept.uris == [bucket.checkpoint_uri("stopping", s) for s in (10, 15)]  # step 5: deleted
+
+
+def test_training_ends_at_the_step_end_once_stop_was_asked():
+    asked = threading.Event()
+    callback, control = StopWhenAsked(asked), TrainerControl()
+    callback.on_step_end(None, None, control)
+    assert not control.should_training_stop
+    asked.set()
+    callback.on_step_end(None, None, control)
+    assert control.should_training_stop
