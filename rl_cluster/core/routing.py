@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from rl_cluster.core.loads import LoadOrder
 
 RouteReason = Literal["affinity", "spill", "unmatched"]
 RoutingPolicy = Literal["prefix", "round_robin", "least_loaded"]
@@ -123,26 +125,62 @@ class RouteDecision:
     """Prompt-specific blocks the chosen replica was recorded for (0 unless affinity)."""
 
 
-def specific_matches(hashes: Sequence[int], table: PrefixTable, eligible: Iterable[str]) -> dict[str, int]:
-    """Per eligible replica, how many of the prompt's blocks it holds that not every eligible replica holds.
+def specific_matches(hashes: Sequence[int], table: PrefixTable, eligible: Set[str]) -> dict[str, int]:
+    """Per eligible replica holding any, how many of the prompt's blocks it holds that not every eligible
+    replica holds (replicas with none are left out).
 
     Blocks every eligible replica holds (a shared system prompt) say nothing about where to go, so they
     count for nothing (unless only one replica is eligible: then a hit is still a hit, for the metrics).
-    The walk stops at the first block nobody holds: hashes are chained, so later
-    blocks can only match through it.
+    The walk stops at the first block nobody eligible holds: hashes are chained, so later blocks can
+    only match through it. Set intersections run in C, and only holders of a specific block are counted
+    one by one: no pass over every eligible replica per request.
     """
-    eligible = set(eligible)
-    counts = dict.fromkeys(eligible, 0)
+    counts: dict[str, int] = {}
     several = len(eligible) > 1
     for block_hash in hashes:
-        holders = table.holders(block_hash) & eligible
+        held_by = table.holders(block_hash)
+        if several and eligible <= held_by:  # (a size comparison first: no pass unless it may be)
+            continue
+        holders = held_by & eligible
         if not holders:
             break
-        if several and holders == eligible:
-            continue
         for replica_id in holders:
-            counts[replica_id] += 1
+            counts[replica_id] = counts.get(replica_id, 0) + 1
     return counts
+
+
+def route(
+    hashes: Sequence[int],
+    table: PrefixTable,
+    loads: LoadOrder,
+    eligible: Set[str],
+    imbalance_threshold: int,
+    policy: RoutingPolicy = "prefix",
+) -> RouteDecision | None:
+    """Pick a replica among `eligible` (routable replicas in `loads`); None when there is none.
+
+    The replica with the most prompt-specific matching blocks wins unless its load exceeds the
+    least-loaded replica's by more than `imbalance_threshold` (then the least-loaded: a spill). Without any
+    match, the least-loaded. Ties go to less load, then fewer requests served so far, then the smaller
+    replica id (LoadOrder's order): the same inputs always give the same answer. Loads are relative to
+    capacity (rl_cluster.core.loads), so the threshold is a number of requests on the smallest replica,
+    and a GRPO group of G <= threshold requests never spills by its own weight. The baselines
+    `round_robin` and `least_loaded` ignore prefixes (reason "unmatched").
+    """
+    least_loaded = loads.least(eligible.__contains__)
+    if least_loaded is None:
+        return None
+    if policy == "least_loaded":
+        return RouteDecision(least_loaded, "unmatched", 0)
+    if policy == "round_robin":
+        return RouteDecision(loads.fewest_served(eligible.__contains__), "unmatched", 0)
+    matches = specific_matches(hashes, table, eligible)
+    if not matches:
+        return RouteDecision(least_loaded, "unmatched", 0)
+    best = min(matches, key=lambda r: (-matches[r], loads.key(r)))
+    if loads.load(best) - loads.load(least_loaded) > imbalance_threshold:
+        return RouteDecision(least_loaded, "spill", 0)
+    return RouteDecision(best, "affinity", matches[best])
 
 
 def choose_replica(
@@ -154,47 +192,14 @@ def choose_replica(
     policy: RoutingPolicy = "prefix",
     capacity: Mapping[str, int | None] | None = None,
 ) -> RouteDecision:
-    """Pick a replica among the keys of `in_flight` (the eligible ones, with their in-flight counts).
-
-    The replica with the most prompt-specific matching blocks wins unless its load exceeds the
-    least-loaded replica's by more than `imbalance_threshold` (then the least-loaded: a spill). Without any
-    match, the least-loaded. Ties go to less load, then fewer requests served so far (so sequential
-    traffic alternates), then the smaller replica id: the same inputs always give the same answer.
-    The baselines `round_robin` and `least_loaded` ignore prefixes (reason "unmatched").
-
-    Load is relative to `capacity` (concurrent sequences a replica runs, vLLM's max_num_seqs), so a
-    replica twice as large takes about twice the traffic: in-flight and served counts are divided by
-    the replica's capacity and multiplied by the smallest eligible one's. The threshold thus stays a
-    number of requests on the smallest replica, and a GRPO group of G <= threshold requests still never
-    spills by its own weight. Replicas of unknown capacity (missing, None or < 1) count as the smallest
-    known one; with no capacities, or equal ones, loads are the raw counts.
-    """
+    """`route` among the keys of `in_flight` (the eligible replicas, with their in-flight counts), from
+    plain counts: `served` (requests so far) and `capacity` per replica. Builds the load order each call
+    (a pass over all replicas): for simulations and tests; the proxy keeps one LoadOrder."""
     if not in_flight:
         raise ValueError("no eligible replica")
-    served = served or {}
-    sizes = {r: c for r, c in (capacity or {}).items() if r in in_flight and c is not None and c >= 1}
-    # Per replica, once: (load, requests served, id), the order of "less loaded".
-    if len(set(sizes.values())) <= 1:
-        # Equal (or unknown) capacities, the usual pool: loads are the raw counts.
-        keys = {r: (n, served.get(r, 0), r) for r, n in in_flight.items()}
-    else:
-        smallest = min(sizes.values())
-
-        def relative(count: int, replica_id: str) -> float:
-            # One division of exact integers: equal ratios compare equal (no float drift breaks a tie).
-            return count * smallest / sizes.get(replica_id, smallest)
-
-        keys = {r: (relative(n, r), relative(served.get(r, 0), r), r) for r, n in in_flight.items()}
-    least_loaded = min(keys, key=keys.__getitem__)
-    if policy == "least_loaded":
-        return RouteDecision(least_loaded, "unmatched", 0)
-    if policy == "round_robin":
-        # Fewest requests so far (per unit of capacity): a rotation that survives joins and leaves.
-        return RouteDecision(min(keys, key=lambda r: keys[r][1:]), "unmatched", 0)
-    matches = specific_matches(hashes, table, in_flight)
-    best = min(keys, key=lambda r: (-matches[r], keys[r]))
-    if matches[best] == 0:
-        return RouteDecision(least_loaded, "unmatched", 0)
-    if keys[best][0] - keys[least_loaded][0] > imbalance_threshold:
-        return RouteDecision(least_loaded, "spill", 0)
-    return RouteDecision(best, "affinity", matches[best])
+    loads = LoadOrder()
+    for replica_id, count in in_flight.items():
+        loads.add(replica_id, served=(served or {}).get(replica_id, 0), in_flight=count)
+        loads.set_capacity(replica_id, (capacity or {}).get(replica_id))
+        loads.set_routable(replica_id, True)
+    return route(hashes, table, loads, set(in_flight), imbalance_threshold, policy)

@@ -14,7 +14,10 @@ Pure logic (no HTTP, Ray or vLLM). The proxy calls it around every load, unload 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Set
 from enum import StrEnum
+
+from rl_cluster.core.loads import LoadOrder
 
 
 class ReplicaState(StrEnum):
@@ -34,20 +37,27 @@ class VersionBook:
         self._ever_loaded: dict[str, set[str]] = {}
         self._paths: dict[str, str] = {}  # published name -> path, for replicas that join later
         self._closed: set[str] = set()
+        self._holders: dict[str, set[str]] = {}  # adapter -> replicas that loaded it (the _loaded index)
         self._in_flight: Counter[tuple[str, str]] = Counter()
-        self._in_flight_total: Counter[str] = Counter()
+        # Per replica: in flight, served, capacity; the active ones in load order (routing reads it).
+        self.loads = LoadOrder()
         self._active: list[str] | None = None  # sorted active ids, kept until a state changes
+        self._eligible: dict[str, frozenset[str]] = {}  # adapter -> active holders, kept until one changes
 
     def _set_state(self, replica_id: str, state: ReplicaState) -> None:
         self._state[replica_id] = state
+        self.loads.set_routable(replica_id, state is ReplicaState.ACTIVE)
         self._active = None
+        self._eligible.clear()
 
     # -- replicas -------------------------------------------------------------------------------------
 
-    def add_replica(self, replica_id: str, ever_loaded: set[str] = frozenset()) -> None:
-        """`ever_loaded`: what an earlier life of the replica loaded (its server was replaced)."""
+    def add_replica(self, replica_id: str, ever_loaded: set[str] = frozenset(), served: int = 0) -> None:
+        """`ever_loaded`, `served`: what an earlier life of the replica loaded and was sent (its server was
+        replaced)."""
         if replica_id in self._state:
             raise ValueError(f"replica {replica_id!r} is already registered")
+        self.loads.add(replica_id, served=served)
         self._set_state(replica_id, ReplicaState.JOINING)
         self._loaded[replica_id] = set()
         self._ever_loaded[replica_id] = set(ever_loaded)
@@ -82,11 +92,14 @@ class VersionBook:
 
     def remove_replica(self, replica_id: str) -> None:
         self._active = None
+        self._eligible.clear()
+        for name in self._loaded.get(replica_id, ()):
+            self._holders[name].discard(replica_id)
         for table in (self._state, self._loaded, self._ever_loaded):
             table.pop(replica_id, None)
         for key in [k for k in self._in_flight if k[0] == replica_id]:
             del self._in_flight[key]
-        self._in_flight_total.pop(replica_id, None)
+        self.loads.remove(replica_id)
         self._forget_fully_unloaded()
 
     def state(self, replica_id: str) -> ReplicaState:
@@ -109,10 +122,14 @@ class VersionBook:
     def mark_loaded(self, replica_id: str, name: str) -> None:
         self._loaded[replica_id].add(name)
         self._ever_loaded[replica_id].add(name)
+        self._holders.setdefault(name, set()).add(replica_id)
+        self._eligible.pop(name, None)
 
     def mark_unloaded(self, replica_id: str, name: str) -> None:
         if replica_id in self._loaded:
             self._loaded[replica_id].discard(name)
+            self._holders.get(name, set()).discard(replica_id)
+            self._eligible.pop(name, None)
         self._forget_fully_unloaded()
 
     def publish(self, name: str, path: str) -> None:
@@ -126,7 +143,7 @@ class VersionBook:
 
     def known(self, name: str) -> bool:
         """Published, or loaded on some replica (maybe closed and draining): the name is taken."""
-        return name in self._paths or any(name in loaded for loaded in self._loaded.values())
+        return name in self._paths or bool(self._holders.get(name))
 
     def is_routable(self, name: str) -> bool:
         return name in self._paths and name not in self._closed
@@ -145,15 +162,22 @@ class VersionBook:
         return set(self._ever_loaded[replica_id])
 
     def holders(self, name: str) -> list[str]:
-        return sorted(r for r, loaded in self._loaded.items() if name in loaded)
+        return sorted(self._holders.get(name, ()))
 
-    def eligible(self, model: str | None) -> list[str]:
-        """Active replicas that may serve `model` (None: the base model, which every replica serves)."""
+    def eligible(self, model: str | None) -> Set[str]:
+        """Active replicas that may serve `model` (None: the base model, which every replica serves). Read
+        only: for the base model it is a live view of the active ones. Set operations in C: routing asks on
+        every request, and a Python pass over 256 replicas cost more than the rest of the request."""
         if model is None:
-            return self.active()
+            return self.loads.routable_ids()
         if not self.is_routable(model):
-            return []
-        return [r for r in self.active() if model in self._loaded[r]]
+            return frozenset()
+        eligible = self._eligible.get(model)
+        if eligible is None:  # asked on every request, changed by loads, unloads and state changes: kept
+            eligible = self._eligible[model] = frozenset(
+                self._holders.get(model, ()) & self.loads.routable_ids()
+            )
+        return eligible
 
     def close(self, name: str) -> list[str]:
         """Stop routing `name`; returns the replicas that can unload it right away (nothing in flight)."""
@@ -166,15 +190,16 @@ class VersionBook:
         return name in self._closed
 
     def _forget_fully_unloaded(self) -> None:
-        for name in [n for n in self._closed if not self.holders(n)]:
+        for name in [n for n in self._closed if not self._holders.get(n)]:
             self._closed.discard(name)
             self._paths.pop(name, None)
+            self._holders.pop(name, None)
 
     # -- in-flight ------------------------------------------------------------------------------------
 
     def begin(self, replica_id: str, model: str) -> None:
         self._in_flight[(replica_id, model)] += 1
-        self._in_flight_total[replica_id] += 1
+        self.loads.begin(replica_id)
 
     def end(self, replica_id: str, model: str) -> bool:
         """A request finished. True when `model` is a closed adapter that this replica should unload now."""
@@ -184,7 +209,7 @@ class VersionBook:
         if self._in_flight[key] <= 0:
             raise ValueError(f"no request for {model!r} in flight on {replica_id!r}")
         self._in_flight[key] -= 1
-        self._in_flight_total[replica_id] -= 1
+        self.loads.end(replica_id)
         if self._in_flight[key] == 0:
             del self._in_flight[key]
             return model in self._closed and model in self._loaded.get(replica_id, ())
@@ -192,5 +217,5 @@ class VersionBook:
 
     def in_flight(self, replica_id: str, model: str | None = None) -> int:
         if model is None:
-            return self._in_flight_total[replica_id]
+            return self.loads.in_flight(replica_id)
         return self._in_flight[(replica_id, model)]

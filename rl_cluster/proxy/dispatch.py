@@ -18,7 +18,7 @@ import aiohttp
 from aiohttp import web
 
 from rl_cluster.config import ProxyConfig
-from rl_cluster.core.routing import block_hashes, choose_replica, request_prompt
+from rl_cluster.core.routing import block_hashes, request_prompt, route
 from rl_cluster.proxy.answers import error_response, no_active_replica
 from rl_cluster.proxy.forward import ReplicaFailed, forward
 from rl_cluster.proxy.metrics import ROUTE_REASONS
@@ -61,25 +61,24 @@ class Dispatcher:
         # without an answer), and only after the previous one failed before the client received anything
         # (ReplicaFailed).
         while True:
-            eligible = [r for r in pool.book.eligible(adapter) if r not in tried]
-            if not eligible and not pool.book.active() and not waited:
+            eligible = pool.book.eligible(adapter)
+            decision = route(
+                hashes,
+                pool.table,
+                pool.book.loads,
+                eligible - set(tried) if tried else eligible,
+                self.config.imbalance_threshold,
+                self.config.routing_policy,
+            )
+            if decision is None and not pool.book.active() and not waited:
                 waited = True  # every replica down: wait for one to come back (bounded), once
                 if await pool.wait_for_active():
                     tried.clear()
                     adapter, hashes = self._target(model, body)  # it may be the first to name the base
                     continue
                 return no_active_replica(waited_s=self.config.unavailable_timeout_s)
-            if not eligible:
+            if decision is None:
                 return self._no_replica_answer(model, adapter, failure)
-            decision = choose_replica(
-                hashes,
-                pool.table,
-                {r: pool.book.in_flight(r) for r in eligible},
-                self.config.imbalance_threshold,
-                served={r: pool.replicas[r].requests for r in eligible},
-                policy=self.config.routing_policy,
-                capacity={r: pool.replicas[r].capacity for r in eligible},
-            )
             if failure is not None:
                 self.retries += 1
                 logger.warning("retrying on replica %s after: %s", decision.replica_id, failure)
@@ -98,7 +97,7 @@ class Dispatcher:
                     # A healthy replica that answered nothing at all (a kept-alive connection it had closed,
                     # a reset): the client got nothing either, so it is sent once more, elsewhere if it can.
                     resent = True
-                    if not [r for r in pool.book.eligible(adapter) if r not in tried]:
+                    if not pool.book.eligible(adapter) - set(tried):
                         tried.remove(decision.replica_id)
                     continue
                 # A 5xx from a replica that is fine otherwise: the request's own problem, passed on.

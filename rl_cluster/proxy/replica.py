@@ -23,7 +23,6 @@ class Replica:
     replica_id: str
     url: str
     loader: AdapterLoader
-    requests: int = 0
     capacity: int | None = None
     """Concurrent sequences it runs (vLLM max_num_seqs): routing compares loads relative to it. None
     until known (the replica reported none and its /server_info has not answered yet)."""

@@ -128,17 +128,19 @@ class ReplicaPool:
                 f"replica {replica_id} at {url} serves {base}, the others serve {self.base_models}"
             )
         replica = Replica(replica_id, url, loader, capacity=capacity)
-        if capacity is None:
-            self.spawn(learn_capacity(self.session, replica))
         async with self._adapter_lock:
             earlier: set[str] = set()
-            if (old := self.replicas.get(replica_id)) is not None:
+            served = 0
+            if replica_id in self.replicas:
                 # Its generator actor died and Ray restarted it: a new server, maybe on another node. The
                 # replica's record (requests routed, versions ever loaded) goes on across its lives.
                 logger.warning("replica %s registers again at %s: it replaces the old one", replica_id, url)
-                earlier, replica.requests = self.book.ever_loaded_on(replica_id), old.requests
+                earlier, served = self.book.ever_loaded_on(replica_id), self.book.loads.served(replica_id)
                 self._forget(replica_id)
-            self.book.add_replica(replica_id, ever_loaded=earlier)
+            self.book.add_replica(replica_id, ever_loaded=earlier, served=served)
+            self.book.loads.set_capacity(replica_id, capacity)
+            if capacity is None:
+                self.spawn(self._learn_capacity(replica))
             self.replicas[replica_id] = replica
             self.base_models = base
             try:
@@ -150,6 +152,11 @@ class ReplicaPool:
         logger.info(
             "replica %s at %s active (%d adapters)", replica_id, url, len(self.book.loaded_on(replica_id))
         )
+
+    async def _learn_capacity(self, replica: Replica) -> None:
+        await learn_capacity(self.session, replica)
+        if self.replicas.get(replica.replica_id) is replica:  # neither gone nor replaced meanwhile
+            self.book.loads.set_capacity(replica.replica_id, replica.capacity)
 
     async def _catch_up(self, replica: Replica) -> None:
         """Bring a catching-up replica to the proxy's state, then activate it. Runs under _adapter_lock.
@@ -257,7 +264,6 @@ class ReplicaPool:
     # -- requests: what keeps a replica (and an adapter on it) busy -------------------------------------
 
     def begin_request(self, replica: Replica, adapter: str | None) -> None:
-        replica.requests += 1
         self.book.begin(replica.replica_id, adapter or "")
 
     def end_request(self, replica: Replica, adapter: str | None) -> None:
@@ -287,20 +293,20 @@ class ReplicaPool:
     async def resume(self) -> dict[str, str]:
         return await self._detached(self.pausing.resume())
 
-    # -- what it looks like -----------------------------------------------------------------------------
 
-    def replica_stats(self) -> dict[str, dict]:
-        """Per replica: url, state, requests routed, in flight, adapters loaded now and ever."""
-        return {
-            rid: {
-                "url": replica.url,
-                "state": str(self.book.state(rid)),
-                "requests": replica.requests,
-                "capacity": replica.capacity,
-                "in_flight": self.book.in_flight(rid),
-                "adapters_loaded": sorted(self.book.loaded_on(rid)),
-                "adapters_ever_loaded": sorted(self.book.ever_loaded_on(rid)),
-                "down_reason": self.health.down_reasons.get(rid),  # why it last left routing, if it did
-            }
-            for rid, replica in sorted(self.replicas.items())
+def replica_stats(pool: ReplicaPool) -> dict[str, dict]:
+    """Per replica: url, state, requests routed, in flight, adapters loaded now and ever."""
+    book = pool.book
+    return {
+        rid: {
+            "url": replica.url,
+            "state": str(book.state(rid)),
+            "requests": book.loads.served(rid),
+            "capacity": replica.capacity,
+            "in_flight": book.in_flight(rid),
+            "adapters_loaded": sorted(book.loaded_on(rid)),
+            "adapters_ever_loaded": sorted(book.ever_loaded_on(rid)),
+            "down_reason": pool.health.down_reasons.get(rid),  # why it last left routing, if it did
         }
+        for rid, replica in sorted(pool.replicas.items())
+    }

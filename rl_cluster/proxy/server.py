@@ -32,7 +32,7 @@ from rl_cluster.proxy.control import ControlRoutes
 from rl_cluster.proxy.dispatch import Dispatcher
 from rl_cluster.proxy.forward import data_timeout
 from rl_cluster.proxy.metrics import CONTENT_TYPE, ProxyMetrics
-from rl_cluster.proxy.replicas import INFO_TIMEOUT, ReplicaPool
+from rl_cluster.proxy.replicas import INFO_TIMEOUT, ReplicaPool, replica_stats
 from rl_cluster.proxy.validation import (
     Invalid,
     check_generation,
@@ -181,7 +181,7 @@ class ProxyServer:
         """Per replica: url, state, requests routed, in flight, adapters loaded now and ever; routing totals."""
         book = self._pool.book
         return {
-            "replicas": self._pool.replica_stats(),
+            "replicas": replica_stats(self._pool),
             **self._dispatch.stats(),  # routing, retries, streams_broken
             "adapters_routable": sorted(book.routable()),
             "base_models": list(self._pool.base_models),
