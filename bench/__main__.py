@@ -18,7 +18,19 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench import async_vs_sync, broadcast, capacity, experience, handoff, overhead, report, routing, scaling
+from bench import (
+    async_vs_sync,
+    broadcast,
+    capacity,
+    experience,
+    handoff,
+    overhead,
+    pool_step,
+    report,
+    routing,
+    routing_at_scale,
+    scaling,
+)
 from bench.common import REPO, machine, vllm_servers, warm_up
 
 
@@ -40,6 +52,10 @@ class Plan:
     capacity_many_upstreams: int  # ours again, in front of this many stubs
     broadcast_sizes: tuple[int, ...]  # replicas behind the proxy, the first 1 (the baseline)
     broadcast_versions: int
+    scale_routing_replicas: int  # stubs behind each router in the GRPO-shaped comparison at scale
+    scale_routing_groups: int
+    scale_routing_groups_in_flight: int
+    pool_step_delays: tuple[float, ...]  # node-start delays the demand step is simulated with
 
 
 FULL = Plan(
@@ -47,12 +63,16 @@ FULL = Plan(
     scaling_groups=32, handoff_versions=10, train_steps=30, train_reps=2,
     capacity_upstreams=8, capacity_connections=64, capacity_seconds=5.0, capacity_many_upstreams=256,
     broadcast_sizes=(1, 8, 32, 128, 256), broadcast_versions=10,
+    scale_routing_replicas=64, scale_routing_groups=192, scale_routing_groups_in_flight=16,
+    pool_step_delays=(30, 120, 300),
 )  # fmt: skip
 QUICK = Plan(
     reps=1, routing_groups=4, groups_in_flight=2, max_tokens=16, overhead_requests=24, overhead_concurrency=4,
     scaling_groups=4, handoff_versions=3, train_steps=6, train_reps=1,
     capacity_upstreams=4, capacity_connections=16, capacity_seconds=1.5, capacity_many_upstreams=64,
     broadcast_sizes=(1, 8, 32), broadcast_versions=3,
+    scale_routing_replicas=8, scale_routing_groups=12, scale_routing_groups_in_flight=4,
+    pool_step_delays=(30, 120),
 )  # fmt: skip
 BENCHMARKS = {  # run in this order, on the same two replicas
     "routing": routing.run,
@@ -63,6 +83,8 @@ BENCHMARKS = {  # run in this order, on the same two replicas
     "experience": experience.run,
     "capacity": capacity.run,  # stubs, not the replicas: the proxy alone
     "broadcast": broadcast.run,  # a fleet of stubs: the proxy alone
+    "routing_at_scale": routing_at_scale.run,  # a fleet of stubs with a prefix-cache model
+    "pool_step": pool_step.run,  # the real scaling policy, in simulated time
 }
 
 

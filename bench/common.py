@@ -17,7 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -203,19 +203,21 @@ class LoadResult:
 async def grpo_load(
     session: aiohttp.ClientSession,
     url: str,
-    model: str,
+    model: str | Callable[[int], str],
     prompts: Sequence[list[int]],
     *,
     max_tokens: int,
     groups_in_flight: int,
     group_size: int = GROUP_SIZE,
 ) -> LoadResult:
-    """Send each prompt as one GRPO group (G concurrent requests), at most `groups_in_flight` groups at once."""
+    """Send each prompt as one GRPO group (G concurrent requests), at most `groups_in_flight` groups at once.
+    `model`: the name every group asks for, or the name of group i."""
     gate = asyncio.Semaphore(groups_in_flight)
     result = LoadResult(wall_s=0.0, completions=0, errors=0)
+    model_of = model if callable(model) else lambda index: model
 
     async def one(prompt: list[int], seed: int) -> None:
-        body = completion_request(model, prompt, seed, max_tokens)
+        body = completion_request(model_of(seed // group_size), prompt, seed, max_tokens)
         start = time.perf_counter()
         try:
             async with session.post(f"{url}/v1/completions", json=body) as r:

@@ -4,7 +4,16 @@ Each replica is one listening port of one aiohttp server, with its own state: th
 (listed by /v1/models, as the proxy checks after every load), a load that takes `--load-ms` (with +-20 %
 jitter: replicas never finish a broadcast in the same instant) and fails with `--fail-rate`, /pause and
 /resume, /server_info, and a canned completion. Cheap enough for hundreds of replicas on one core: what
-a benchmark of the proxy alone runs against (bench.broadcast), never what makes a test of the system pass.
+a benchmark of the proxy alone runs against (bench.broadcast, bench.routing_at_scale), never what makes a
+test of the system pass.
+
+Each replica also models vLLM's prefix cache (PrefixCacheModel): a token-id prompt is cut into full
+blocks, chained hashes keyed by the requested model (vLLM keys a LoRA's blocks by the adapter), looked up
+from the first block on, then kept in an LRU of `--cache-blocks` blocks. /metrics reports the counts as
+vLLM does (`vllm:prefix_cache_queries_total` and `_hits_total`, in tokens), /reset_prefix_cache empties
+it, and a completion takes as long as its uncached prompt tokens and its output tokens would
+(`--prefill-us`, `--decode-ms`, sleeping: the fleet's core stays free). /_stub/stats: the completions
+a replica answered.
 
     python -m bench.fleet N [--load-ms 50] [--fail-rate 0]   # prints the N URLs as one JSON line
 """
@@ -15,6 +24,8 @@ import argparse
 import asyncio
 import json
 import random
+from collections import OrderedDict
+from collections.abc import Sequence
 
 from aiohttp import web
 
@@ -24,12 +35,46 @@ COMPLETION = {"id": "cmpl-stub", "object": "text_completion", "created": 0, "mod
               "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9}}  # fmt: skip
 
 
+class PrefixCacheModel:
+    """One replica's prefix cache, as vLLM keeps it: full blocks of `block_tokens`, each hash covering the
+    whole prefix up to it, an LRU of `capacity` blocks; hits are the leading blocks already held."""
+
+    def __init__(self, capacity: int, block_tokens: int):
+        self.capacity, self.block_tokens = capacity, block_tokens
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+        self.queries = self.hits = 0  # tokens, as vLLM's counters
+
+    def lookup(self, model: str, prompt: Sequence[int]) -> int:
+        """Count the prompt's tokens as queried and its cached leading blocks as hit; keep its blocks.
+        Returns the tokens hit."""
+        hashes, previous = [], hash(model)
+        for start in range(0, len(prompt) - self.block_tokens + 1, self.block_tokens):
+            previous = hash((previous, tuple(prompt[start : start + self.block_tokens])))
+            hashes.append(previous)
+        hit = 0
+        while hit < len(hashes) and hashes[hit] in self.blocks:
+            hit += 1
+        for block in hashes:
+            self.blocks[block] = None
+            self.blocks.move_to_end(block)
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+        self.queries += len(prompt)
+        self.hits += hit * self.block_tokens
+        return hit * self.block_tokens
+
+
 class Fleet:
-    def __init__(self, load_s: float, fail_rate: float, seed: int = 0):
+    def __init__(self, load_s: float, fail_rate: float, seed: int = 0, cache_blocks: int = 4096,
+                 block_tokens: int = 16, prefill_s: float = 20e-6, decode_s: float = 1e-3):  # fmt: skip
         self.load_s, self.fail_rate = load_s, fail_rate
         self.rng = random.Random(seed)
         self.loaded: dict[int, set[str]] = {}  # port -> adapters it holds
         self.loads: dict[int, int] = {}  # port -> loads it answered
+        self.cache_blocks, self.block_tokens = cache_blocks, block_tokens
+        self.prefill_s, self.decode_s = prefill_s, decode_s  # per uncached prompt token, per output token
+        self.caches: dict[int, PrefixCacheModel] = {}
+        self.requests: dict[int, int] = {}  # port -> completions answered
 
     def _port(self, request: web.Request) -> int:
         return request.transport.get_extra_info("sockname")[1]
@@ -69,9 +114,35 @@ class Fleet:
     async def ok(self, request: web.Request) -> web.Response:
         return web.Response()
 
+    def _cache(self, port: int) -> PrefixCacheModel:
+        if port not in self.caches:
+            self.caches[port] = PrefixCacheModel(self.cache_blocks, self.block_tokens)
+        return self.caches[port]
+
     async def complete(self, request: web.Request) -> web.Response:
-        await request.read()
+        body = await request.json()
+        port, prompt = self._port(request), body.get("prompt")
+        uncached = 0
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            uncached = len(prompt) - self._cache(port).lookup(str(body.get("model")), prompt)
+        self.requests[port] = self.requests.get(port, 0) + 1
+        await asyncio.sleep(uncached * self.prefill_s + int(body.get("max_tokens") or 1) * self.decode_s)
         return web.json_response(COMPLETION)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        cache = self._cache(self._port(request))
+        lines = []  # as vLLM writes them (prometheus_client's exposition of a Counter)
+        for name, value in (("queries", cache.queries), ("hits", cache.hits)):
+            lines += [f"# HELP vllm:prefix_cache_{name}_total Prefix cache {name}, in tokens.",
+                      f"# TYPE vllm:prefix_cache_{name}_total counter", f"vllm:prefix_cache_{name}_total {value}"]  # fmt: skip
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        self._cache(self._port(request)).blocks.clear()
+        return web.Response()
+
+    async def stats(self, request: web.Request) -> web.Response:
+        return web.json_response({"requests": self.requests.get(self._port(request), 0)})
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -80,12 +151,14 @@ class Fleet:
             web.get("/server_info", self.server_info), web.post("/v1/load_lora_adapter", self.load),
             web.post("/v1/unload_lora_adapter", self.unload), web.post("/pause", self.ok),
             web.post("/resume", self.ok), web.post("/v1/completions", self.complete),
+            web.get("/metrics", self.metrics), web.post("/reset_prefix_cache", self.reset_prefix_cache),
+            web.get("/_stub/stats", self.stats),
         ])  # fmt: skip
         return app
 
 
-async def serve(count: int, load_s: float, fail_rate: float) -> None:
-    runner = web.AppRunner(Fleet(load_s, fail_rate).app(), access_log=None)
+async def serve(count: int, fleet: Fleet) -> None:
+    runner = web.AppRunner(fleet.app(), access_log=None)
     await runner.setup()
     urls = []
     for _ in range(count):
@@ -101,8 +174,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("count", type=int)
     parser.add_argument("--load-ms", type=float, default=50.0, help="how long a load takes (+-20 %%)")
     parser.add_argument("--fail-rate", type=float, default=0.0, help="share of loads answered with a 500")
+    parser.add_argument("--cache-blocks", type=int, default=4096, help="prefix-cache blocks per replica")
+    parser.add_argument(
+        "--block-tokens", type=int, default=16, help="tokens per cache block (vLLM's GPU default)"
+    )
+    parser.add_argument(
+        "--prefill-us", type=float, default=20.0, help="microseconds per uncached prompt token"
+    )
+    parser.add_argument("--decode-ms", type=float, default=1.0, help="milliseconds per output token")
     args = parser.parse_args(argv)
-    asyncio.run(serve(args.count, args.load_ms / 1000, args.fail_rate))
+    fleet = Fleet(args.load_ms / 1000, args.fail_rate, cache_blocks=args.cache_blocks,
+                  block_tokens=args.block_tokens, prefill_s=args.prefill_us / 1e6, decode_s=args.decode_ms / 1000)  # fmt: skip
+    asyncio.run(serve(args.count, fleet))
 
 
 if __name__ == "__main__":

@@ -107,6 +107,37 @@ def broadcast(r: dict, path: Path) -> Path:
     return _save(plt, fig, path)
 
 
+def routing_at_scale(r: dict, path: Path) -> Path:
+    plt, fig, (a, b) = _figure(8.5)
+    labels = [x["router"] for x in r["rows"]]
+    _bars(
+        a,
+        labels,
+        [100 * x["cache_hit_rate"] for x in r["rows"]],
+        "engine prefix-cache hit rate (%)",
+        "{:.0f}",
+    )
+    _bars(b, labels, [x["requests_max_over_mean"] for x in r["rows"]], "busiest / mean requests (1 = even)")
+    b.set_yticks([])
+    return _save(plt, fig, path)
+
+
+def pool_step(r: dict, path: Path) -> Path:
+    plt, fig, (a, b) = _figure()
+    load = r["load"]
+    for x in r["rows"]:
+        t = [p[0] for p in x["timeline"]]
+        a.step(t, [p[1] for p in x["timeline"]], where="post", label=f"node start {x['node_start_s']:.0f} s")
+        b.step(t, [p[2] for p in x["timeline"]], where="post")
+    for ax, title in ((a, "replicas (started and starting)"), (b, "replicas serving")):
+        ax.axvspan(load["before_s"], load["before_s"] + load["during_s"], color="grey", alpha=0.12)
+        ax.set(xlabel="seconds", title=title)
+        ax.title.set_fontsize(9)
+        ax.grid(alpha=0.3)
+    a.legend(fontsize=7)
+    return _save(plt, fig, path)
+
+
 def draw_all(results: dict, plots_dir: Path) -> dict[str, Path]:
     drawers = {
         "routing": routing,
@@ -115,6 +146,8 @@ def draw_all(results: dict, plots_dir: Path) -> dict[str, Path]:
         "scaling": scaling,
         "async_vs_sync": async_vs_sync,
         "broadcast": broadcast,
+        "routing_at_scale": routing_at_scale,
+        "pool_step": pool_step,
     }
     return {
         key: draw(results[key], plots_dir / f"{key}.png")

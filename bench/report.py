@@ -149,106 +149,6 @@ def overhead_section(r: dict) -> str:
     )
 
 
-def capacity_section(r: dict) -> str:
-    load = r["load"]
-    rows = [
-        [
-            x["router"],
-            num(x["requests_per_s"], ".0f"),
-            num(x["vs_ours"], ".2f") + "x",
-            num(x["p50_ms"], ".1f"),
-            pct(x["router_cpu_share"]),
-            pct(x["load_cpu_share"]),
-        ]
-        for x in r["rows"]
-    ]
-    header = ["router", "requests/s", "vs ours", "p50 ms", "router CPU (of one core)", "load side CPU"]
-    ours = r["rows"][0]["requests_per_s"]
-    seed = r["seed"]
-    pinning = (
-        "Each router process is pinned to one core, the load generator and the stubs to the other"
-        if load["pinned"]
-        else "Nothing is pinned (one core)"
-    )
-    bound = [
-        f"> {x['router']}: the load side's core was {pct(x['load_cpu_share'])} busy, so its number is a "
-        "lower bound (the stubs and the load generator, not the router, may have set the pace)."
-        for x in r["rows"]
-        if x["load_cpu_share"] > 0.9
-    ]
-    return "\n\n".join(
-        [
-            "## 6. Proxy capacity: requests/s one router process routes",
-            f"{load['upstreams']} stub upstreams that answer every completion at once with a canned vLLM-shaped "
-            f"answer (no model: this measures the router alone), {load['connections']} keep-alive connections "
-            f"each sending the next request as soon as the last answer arrived, {load['seconds']:.1f} s per run, "
-            f"{r['rows'][0]['reps']} run(s) per router in rotating order, medians. Requests are the bench's "
-            f"completion bodies ({load['prompt_tokens']} token ids, groups of 8 identical prompts). "
-            f"{pinning}; the stubs and the load generator are raw asyncio protocols, far cheaper per request "
-            "than any router. The pass-through row forwards to one stub and routes nothing: the floor's "
-            "ceiling on this core.",
-            table(header, rows),
-            *_many_upstreams_line(r),
-            f"**One proxy process fronts about {num(ours / seed['per_replica_rps'], ',.0f')} H200 replicas at the "
-            f"seed's request rate** ({num(ours, ',.0f')} requests/s on one core / {num(seed['per_replica_rps'])} "
-            f"requests/s per replica){_at_few(r)}. {seed['derivation']}",
-            *bound,
-            *[f"> {note}" for note in r["notes"]],
-        ]
-    )
-
-
-def _many_upstreams_line(r: dict) -> list[str]:
-    """Ours in front of many stubs against ours in front of few (results of older runs have no such row)."""
-    load = r["load"]
-    if "many_upstreams" not in load:
-        return []
-    label = f"rl_cluster proxy ({load['many_upstreams']} upstreams)"
-    many = next((x for x in r["rows"] if x["router"] == label), None)
-    if many is None:
-        return []
-    few_n, many_n = load["upstreams"], load["many_upstreams"]
-    a, b = cost_per_request_us(r["rows"][0]["requests_per_s"], many["requests_per_s"], few_n, many_n)
-    rate = r["seed"]["per_replica_rps"]
-    return [
-        f"Our proxy in front of {many_n} upstreams routes **{num(many['vs_ours'], '.2f')}x** the requests/s it "
-        f"routes in front of {few_n} (the goal: at least 0.8x at 256): the per-request choice among more "
-        f"replicas is what grows. Fitted through the two: **{num(a, '.0f')} us + {num(b, '.2f')} us x N per "
-        f"request** on one core, so at the seed's {num(rate)} requests/s per replica **one proxy process "
-        f"saturates at about {num(saturation_replicas(a, b, rate), ',.0f')} replicas** (where N x "
-        f"{num(rate)} = 1e6 / ({num(a, '.0f')} + {num(b, '.2f')} N))."
-    ]
-
-
-def _at_few(r: dict) -> str:
-    """The fronted-replicas count above is at the few-replica cost: where the many-replica row exists, say
-    what it becomes once the cost's growth with N is counted."""
-    lines = _many_upstreams_line(r)
-    if not lines:
-        return ""
-    load = r["load"]
-    label = f"rl_cluster proxy ({load['many_upstreams']} upstreams)"
-    many = next(x for x in r["rows"] if x["router"] == label)
-    a, b = cost_per_request_us(r["rows"][0]["requests_per_s"], many["requests_per_s"], load["upstreams"],
-                               load["many_upstreams"])  # fmt: skip
-    n = saturation_replicas(a, b, r["seed"]["per_replica_rps"])
-    return f"; that is at {load['upstreams']} replicas' cost per request, and with its growth with N about {n:,.0f}"
-
-
-def cost_per_request_us(few_rps: float, many_rps: float, few_n: int, many_n: int) -> tuple[float, float]:
-    """(a, b) of the line a + b*N through the router's microseconds per request at two replica counts."""
-    few_us, many_us = 1e6 / few_rps, 1e6 / many_rps
-    b = (many_us - few_us) / (many_n - few_n)
-    return few_us - b * few_n, b
-
-
-def saturation_replicas(a: float, b: float, rate: float) -> float:
-    """N where N replicas' requests (N x rate per second) use the whole core: rate*N*(a + b*N) = 1e6."""
-    if b <= 0:
-        return 1e6 / (a * rate)
-    return (-a * rate + math.sqrt((a * rate) ** 2 + 4 * b * rate * 1e6)) / (2 * b * rate)
-
-
 def handoff_section(r: dict) -> str:
     def cell(row, key):
         s = row.get(key)
@@ -410,50 +310,6 @@ def experience_section(r: dict) -> str:
     ])  # fmt: skip
 
 
-def broadcast_section(r: dict) -> str:
-    rows = [
-        [
-            str(x["replicas"]),
-            num(1000 * x["p50_s"], ".1f"),
-            num(1000 * x["max_s"], ".1f"),
-            num(x["vs_one_replica"], ".2f") + "x",
-            "-" if x["per_extra_replica_ms"] is None else num(x["per_extra_replica_ms"], ".2f"),
-            num(x["proxy_cpu_ms_per_sync"], ".1f"),
-            pct(x["fleet_cpu_share"]),
-            f"{x['replicas']} adapters",
-        ]
-        for x in r["rows"]
-    ]
-    return "\n\n".join([
-        "## 8. Broadcast at scale: one sync's load on N replicas",
-        f"Our proxy (its own process, one core) in front of N stub replicas (`bench.fleet`, one process on the "
-        f"other core) whose adapter load takes {r['load_ms']:g} ms (+-20 %), as a real vLLM's takes tens of "
-        f"milliseconds. Each sync is the trainer's: load version v on every replica (the proxy checks each "
-        f"replica's `/v1/models` after its load) and unload the version {r['window']} before; {r['versions']} "
-        "syncs per size, the load timed as the trainer sees it. What grows with N is the proxy's fan-out; "
-        "each replica copies the adapter from the bucket once, so a sync reads N adapters from it.",
-        table(["replicas", "p50 sync (ms)", "max (ms)", "vs 1 replica", "ms per extra replica",
-               "proxy CPU per sync (ms)", "fleet core busy", "bucket reads per sync"], rows),
-        "The proxy's CPU per sync is its own work for the load, the checks and the unload; where the fleet's "
-        "core is near 100 % busy, the stubs set the pace and the latency is an upper bound on the proxy's. "
-        + _sync_law(r["rows"]),
-    ])  # fmt: skip
-
-
-def _sync_law(rows: list[dict]) -> str:
-    """The least-squares line of the proxy's CPU per sync against N, and the largest size's sync."""
-    xs, ys = [x["replicas"] for x in rows], [x["proxy_cpu_ms_per_sync"] for x in rows]
-    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    spread = sum((x - mean_x) ** 2 for x in xs)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread if spread else 0.0
-    last = rows[-1]
-    return (
-        f"Fitted: **{num(mean_y - slope * mean_x, '.1f')} ms + {num(slope, '.2f')} ms x N of the proxy's CPU "
-        f"per sync**; a sync on {last['replicas']} replicas took {num(1000 * last['p50_s'], '.0f')} ms (p50), "
-        f"{num(last['vs_one_replica'], '.1f')}x a sync on one."
-    )
-
-
 def failure_section(title: str, error: str) -> str:
     return f"## {title}\n\nFAILED: {error}"
 
@@ -461,6 +317,12 @@ def failure_section(title: str, error: str) -> str:
 def write(out: Path, plots_dir: Path, results: dict, info: dict, command: str, quick: bool) -> None:
     """Write the markdown (and the plots beside it, linked relatively)."""
     from bench.plots import draw_all
+    from bench.report_scale import (
+        broadcast_section,
+        capacity_section,
+        pool_step_section,
+        routing_at_scale_section,
+    )
 
     plots = draw_all(results, plots_dir)
     sections = {
@@ -472,6 +334,8 @@ def write(out: Path, plots_dir: Path, results: dict, info: dict, command: str, q
         "capacity": (capacity_section, "6. Proxy capacity"),
         "experience": (experience_section, "7. Experience store overhead"),
         "broadcast": (broadcast_section, "8. Broadcast at scale"),
+        "routing_at_scale": (routing_at_scale_section, "9. Routing at scale"),
+        "pool_step": (pool_step_section, "10. The pool under a demand step"),
     }
     parts = [
         "# Benchmarks",

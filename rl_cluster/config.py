@@ -196,9 +196,10 @@ class GeneratorConfig(Section):
     """Most generators the pool controller runs (on a cluster, the autoscaler adds `generator` nodes for
     them); None: `replicas`. `jobs/scale.py --replicas N` sets any N in [min_replicas, max_replicas]."""
     scale_up_in_flight: float = Field(16.0, gt=0)
-    """Demand above which the pool grows: requests in flight (or queued at the proxy) per serving replica."""
+    """Demand above which the pool grows: requests in flight (or queued at the proxy) per serving replica.
+    It grows to as many replicas as carry the demand at this many each, at once."""
     scale_up_window_s: float = Field(30.0, gt=0)
-    """Seconds demand must stay above `scale_up_in_flight`, in every sample, before a replica is added."""
+    """Seconds demand must stay above `scale_up_in_flight`, in every sample, before replicas are added."""
     scale_down_window_s: float = Field(120.0, gt=0)
     """Seconds a replica must stay idle (nothing in flight, nothing routed to it) before it is removed."""
     scale_cooldown_s: float = Field(60.0, ge=0)

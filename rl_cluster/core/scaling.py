@@ -3,10 +3,11 @@
 The pool controller (rl_cluster.pool) samples the proxy every few seconds and hands each sample to
 `ScalingPolicy.observe`, which answers with what to do now, if anything:
 
-- **grow** by one when demand (requests in flight per serving replica, plus any the proxy queues) stayed
-  above `up_in_flight` in every sample for `up_window_s`, and nothing is still starting: a replica takes
-  a node, a vLLM start and a catch-up to serve, and deciding again before it does would count the same
-  demand twice;
+- **grow** when demand (requests in flight per serving replica, plus any the proxy queues) stayed above
+  `up_in_flight` in every sample for `up_window_s`: to as many replicas as the demand needs at
+  `up_in_flight` each, all at once (a replica takes a node, a vLLM start and a catch-up to serve, minutes
+  on a cloud: one at a time, a step to four times the demand took four of those; bench.pool_step).
+  Replicas still starting count as capacity on its way, so the same demand is never counted twice;
 - **shrink** by one when a serving replica was idle (nothing in flight, nothing new routed to it) in every
   sample for `down_window_s`; the newest of the replicas idle now goes, so the first ones keep their
   warm caches;
@@ -71,6 +72,11 @@ class PoolSnapshot:
         return len(self.serving) + self.starting + self.unavailable
 
     @property
+    def total_demand(self) -> int:
+        """Requests in flight or queued, over the whole pool."""
+        return sum(r.in_flight for r in self.serving.values()) + self.queued
+
+    @property
     def demand(self) -> float:
         """Requests in flight or queued per serving replica (infinite when requests wait and none serves)."""
         total = sum(r.in_flight for r in self.serving.values()) + self.queued
@@ -118,12 +124,13 @@ class ScalingPolicy:
         if snap.time - self._last_change < r.cooldown_s:
             return None
         high_for = snap.time - self._high_since if self._high_since is not None else -1.0
-        if high_for >= r.up_window_s and snap.size < r.max_replicas and not snap.starting:
+        needed = min(r.max_replicas, math.ceil(snap.total_demand / r.up_in_flight))
+        if high_for >= r.up_window_s and needed > snap.size:
             reason = (
                 f"demand {snap.demand:.1f} in flight per replica above {r.up_in_flight:g} "
                 f"for {high_for:.0f} s"
             )
-            return self._changed(snap, Decision(add=1, reason=reason))
+            return self._changed(snap, Decision(add=needed - snap.size, reason=reason))
         if (
             self._high_since is None
             and snap.size > r.min_replicas
@@ -142,9 +149,9 @@ class ScalingPolicy:
 
     def _track(self, snap: PoolSnapshot) -> None:
         """Update how long demand has been high, and how long each replica has been idle."""
-        # While a replica is starting, demand is measured without capacity that is on its way: the window
-        # starts over once it serves.
-        if snap.demand > self.rules.up_in_flight and not snap.starting:
+        # Replicas on their way are counted when sizing (observe), not here: the demand on those serving
+        # now is what the window watches.
+        if snap.demand > self.rules.up_in_flight:
             self._high_since = snap.time if self._high_since is None else self._high_since
         else:
             self._high_since = None

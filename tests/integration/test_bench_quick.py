@@ -31,10 +31,21 @@ SECTIONS = {
     "## 6. Proxy capacity": 2,  # ours and the pass-through (and vllm-router when installed)
     "## 7. Experience store overhead": 2,  # on and off
     "## 8. Broadcast at scale": 3,  # a sync on 1, 8 and 32 stub replicas
+    "## 9. Routing at scale": 2,  # ours, prefix and round robin (and vllm-router's two when installed)
+    "## 10. The pool under a demand step": 2,  # one row per node-start delay
 }
 LABEL_COLUMNS = {"## 2. Proxy overhead": 2}  # path and load
 NUMBER = re.compile(r"[-+]?\d+(\.\d+)?")
-PLOTS = ("routing", "overhead", "handoff", "scaling", "async_vs_sync", "broadcast")
+PLOTS = (
+    "routing",
+    "overhead",
+    "handoff",
+    "scaling",
+    "async_vs_sync",
+    "broadcast",
+    "routing_at_scale",
+    "pool_step",
+)
 
 
 def table_rows(text: str, heading: str) -> list[list[str]]:
@@ -238,3 +249,27 @@ def test_a_broadcast_is_timed_on_each_fleet_size_against_one_replica(bench_run):
     # The proxy does a load, a /v1/models check and an unload per replica per sync: more replicas, more CPU.
     assert rows[-1]["proxy_cpu_ms_per_sync"] > rows[0]["proxy_cpu_ms_per_sync"], rows
     assert all(0.0 <= r["fleet_cpu_share"] <= 1.5 for r in rows), rows  # one core, and psutil's tick
+
+
+def test_at_scale_the_engines_hit_their_prefix_caches_behind_prefix_routing(bench_run):
+    _, results, _ = bench_run
+    section = results["routing_at_scale"]
+    rows = {r["router"]: r for r in section["rows"]}
+    assert section["load"]["replicas"] == QUICK.scale_routing_replicas
+    ours, spread = rows["rl_cluster proxy, prefix"], rows["rl_cluster proxy, round_robin"]
+    assert all(r["reps"] == QUICK.reps and share(r["cache_hit_rate"]) for r in rows.values()), rows
+    # A group's G requests on one replica: G - 1 of them find its whole prompt cached. Spread over the
+    # replicas, each member is the first of its group there: only the shared system prompt hits.
+    assert ours["cache_hit_rate"] > spread["cache_hit_rate"] + 0.2, rows
+    assert spread["requests_max_over_mean"] < ours["requests_max_over_mean"] + 1e-9, rows
+    assert spread["replicas_used"] == QUICK.scale_routing_replicas, rows
+
+
+def test_the_pool_step_section_has_a_row_per_node_start_delay(bench_run):
+    text, results, _ = bench_run
+    rows = results["pool_step"]["rows"]
+    assert [r["node_start_s"] for r in rows] == list(QUICK.pool_step_delays)
+    assert all(r["served_after_s"] is not None and r["served_after_s"] >= r["node_start_s"] for r in rows), (
+        rows
+    )
+    assert "| 30 | 6 | 6 | +0 |" in text

@@ -35,16 +35,21 @@ def test_grows_only_after_demand_stayed_high_for_the_whole_window():
     assert decision.reason == "demand 6.0 in flight per replica above 4 for 10 s"
 
 
-def test_no_second_replica_while_one_is_starting_and_none_within_the_cooldown():
-    policy = ScalingPolicy(RULES)
+def test_grows_to_what_the_demand_needs_at_once_counting_replicas_on_their_way():
+    rules = ScalingRules(1, 8, up_in_flight=4, up_window_s=10, down_window_s=30, cooldown_s=20)
+    policy = ScalingPolicy(rules)
+    # 9 in flight on one replica: 3 replicas carry it at 4 or fewer each. Both new ones start at once.
     assert run(policy, [snap(t, (9, t)) for t in range(0, 11)]) == [
-        (10, Decision(add=1, reason=policy_reason(9, 10)))
+        (10, Decision(add=2, reason=policy_reason(9, 10)))
     ]
-    # The new one takes 40 s to serve: demand stays high meanwhile, but it is already counted.
-    assert run(policy, [snap(t, (9, t), starting=1) for t in range(11, 51)]) == []
-    # Serving now, demand still high over both: a window later (cooldown long over) one more.
-    decisions = run(policy, [snap(t, (9, t), (9, t)) for t in range(51, 70)])
-    assert [t for t, _ in decisions] == [61]
+    # They take 40 s to serve: demand on g0 stays high meanwhile, but it is already counted.
+    assert run(policy, [snap(t, (9, t), starting=2) for t in range(11, 51)]) == []
+    # Serving now, and demand grew to 20 over the three: 5 carry it, two more at once (the demand on the
+    # serving replicas has been above 4 for longer than the window, and the cooldown is over).
+    decisions = run(policy, [snap(t, (7, t), (7, t), (6, t)) for t in range(51, 70)])
+    assert [(t, d.add) for t, d in decisions] == [(51, 2)]
+    # Never beyond max_replicas, however high the demand.
+    assert policy.observe(snap(100, *[(90, 100)] * 5)).add == 3
 
 
 def policy_reason(demand: float, window: int) -> str:
@@ -109,7 +114,7 @@ def test_below_min_is_restored_at_once():
 def test_queued_requests_count_as_demand_even_with_no_replica_serving():
     policy = ScalingPolicy(RULES)
     decisions = run(policy, [snap(t, (1, t), queued=8) for t in range(0, 11)])
-    assert [(t, d.add) for t, d in decisions] == [(10, 1)]
+    assert [(t, d.add) for t, d in decisions] == [(10, 2)]  # 9 requests: 3 replicas at 4 or fewer
     assert PoolSnapshot(0, {}, queued=3).demand == float("inf")
     assert PoolSnapshot(0, {}).demand == 0
 
