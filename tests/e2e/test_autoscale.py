@@ -455,11 +455,9 @@ async def test_a_generator_actor_that_dies_is_restarted_and_serves_again(cluster
 
 
 async def _serving_again(served, before: int, stats, rid: str) -> bool:
+    state = (await stats)["replicas"].get(rid, {}).get("state")  # awaited always: no coroutine left unawaited
     log = served.log.read_text(errors="replace")
-    return (
-        log.count("serving again after its actor's restart") > before
-        and (await stats)["replicas"].get(rid, {}).get("state") == "active"
-    )
+    return log.count("serving again after its actor's restart") > before and state == "active"
 
 
 async def _more_answers(load, n: int) -> bool:
