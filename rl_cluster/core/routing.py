@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -135,7 +135,7 @@ def specific_matches(hashes: Sequence[int], table: PrefixTable, eligible: Set[st
     only match through it. Set intersections run in C, and only holders of a specific block are counted
     one by one: no pass over every eligible replica per request.
     """
-    counts: dict[str, int] = {}
+    counts: Counter[str] = Counter()
     several = len(eligible) > 1
     for block_hash in hashes:
         held_by = table.holders(block_hash)
@@ -144,8 +144,9 @@ def specific_matches(hashes: Sequence[int], table: PrefixTable, eligible: Set[st
         holders = held_by & eligible
         if not holders:
             break
-        for replica_id in holders:
-            counts[replica_id] = counts.get(replica_id, 0) + 1
+        # Counted in C: a block most replicas hold (a shared prefix some have not seen yet) has hundreds
+        # of holders at scale, and a Python loop over them was the proxy's cost growing with N.
+        counts.update(holders)
     return counts
 
 
@@ -177,7 +178,9 @@ def route(
     matches = specific_matches(hashes, table, eligible)
     if not matches:
         return RouteDecision(least_loaded, "unmatched", 0)
-    best = min(matches, key=lambda r: (-matches[r], loads.key(r)))
+    top = max(matches.values())
+    leaders = [replica_id for replica_id, count in matches.items() if count == top]
+    best = leaders[0] if len(leaders) == 1 else min(leaders, key=loads.key)
     if loads.load(best) - loads.load(least_loaded) > imbalance_threshold:
         return RouteDecision(least_loaded, "spill", 0)
     return RouteDecision(best, "affinity", matches[best])
