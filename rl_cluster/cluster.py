@@ -15,8 +15,10 @@ routes (the configured one, else a fresh one). Neither appears in a log, a confi
 
 Start order: proxy -> generators (their vLLM servers start in parallel, ~30 s on a CPU; each registers
 itself with the proxy once healthy, and the proxy loads every live adapter version on it before routing
-to it) -> trainer. Shutdown runs in reverse in a `finally`: generators leave the proxy and stop vLLM,
-then the proxy stops. Each vLLM server also has a watchdog that ends it if its actor dies first.
+to it) -> training. The run creates the trainer's actor right after the proxy, so that its process
+starts beside the vLLM servers; it trains once they serve. Shutdown runs in reverse in a `finally`:
+generators leave the proxy and stop vLLM, then the proxy stops. Each vLLM server also has a watchdog
+that ends it if its actor dies first.
 """
 
 from __future__ import annotations
@@ -439,6 +441,19 @@ async def launch(
 ) -> Cluster:
     """Start the proxy and the generators; return once every generator serves through the proxy.
     `secrets` None starts replicas without a key and a proxy without a token (loopback-only tests)."""
+    cluster = await start_proxy(config, log_dir, secrets, loopback)
+    try:
+        await cluster.add_generators(config.generator.replicas)
+    except BaseException:
+        await cluster.shutdown()
+        raise
+    return cluster
+
+
+async def start_proxy(
+    config: RunConfig, log_dir: str, secrets: RunSecrets | None = None, loopback: bool = True
+) -> Cluster:
+    """The run's cluster with its proxy serving and no generator yet (`launch` adds them)."""
     secrets = secrets or RunSecrets()
     # The proxy refuses adapter paths outside the bucket before any replica sees them.
     adapter_root = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url).uri
@@ -467,9 +482,4 @@ async def launch(
         loopback=loopback,
     )
     cluster.placement["proxy"] = await proxy.placement.remote()
-    try:
-        await cluster.add_generators(config.generator.replicas)
-    except BaseException:
-        await cluster.shutdown()
-        raise
     return cluster

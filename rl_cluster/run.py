@@ -114,7 +114,7 @@ async def train(config: RunConfig, resume: bool = False) -> dict:
 async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
     import ray
 
-    from rl_cluster.cluster import RunSecrets, check_placeable, connect, launch
+    from rl_cluster.cluster import RunSecrets, check_placeable, connect, start_proxy
     from rl_cluster.plots import curves_png  # noqa: F401  imported now: matplotlib takes seconds, and
     from rl_cluster.pool import start_pool  # after `ray job stop` there are 3 (_summarize_run uses it)
 
@@ -138,13 +138,13 @@ async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
             f"run {config.run_name}: starting {config.generator.replicas} generators and the proxy",
             flush=True,
         )
-        cluster = await launch(config, log_dir_for(config), secrets, loopback=loopback)
-        cluster.pool = await start_pool(cluster)
-        print(
-            f"proxy listening on {cluster.proxy_url}; generators ready after {time.time() - start:.0f}s",
-            flush=True,
-        )
+        cluster = await start_proxy(config, log_dir_for(config), secrets, loopback=loopback)
+        # Its process starts (imports torch, transformers, TRL) beside the vLLM servers; the cleanup ends both.
         cluster.trainer = trainer_actor(config, cluster.proxy_url, secrets)
+        await cluster.add_generators(config.generator.replicas)
+        cluster.pool = await start_pool(cluster)
+        ready = f"proxy listening on {cluster.proxy_url}; generators ready after {time.time() - start:.0f}s"
+        print(ready, flush=True)
         cluster.placement["trainer"] = await cluster.trainer.placement.remote()
         _print_where(cluster.placement, dashboard)
         result = await train_through_restarts(cluster.trainer, resume)
