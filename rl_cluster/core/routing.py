@@ -132,8 +132,9 @@ def specific_matches(hashes: Sequence[int], table: PrefixTable, eligible: Set[st
     Blocks every eligible replica holds (a shared system prompt) say nothing about where to go, so they
     count for nothing (unless only one replica is eligible: then a hit is still a hit, for the metrics).
     The walk stops at the first block nobody eligible holds: hashes are chained, so later blocks can
-    only match through it. Set intersections run in C, and only holders of a specific block are counted
-    one by one: no pass over every eligible replica per request.
+    only match through it. Set intersections and the counting run in C: a block most replicas hold (a
+    shared prefix some have not seen yet) has hundreds of holders at scale, and a Python loop over them
+    was the proxy's cost growing with N.
     """
     counts: Counter[str] = Counter()
     several = len(eligible) > 1
@@ -144,8 +145,6 @@ def specific_matches(hashes: Sequence[int], table: PrefixTable, eligible: Set[st
         holders = held_by & eligible
         if not holders:
             break
-        # Counted in C: a block most replicas hold (a shared prefix some have not seen yet) has hundreds
-        # of holders at scale, and a Python loop over them was the proxy's cost growing with N.
         counts.update(holders)
     return counts
 
@@ -180,7 +179,7 @@ def route(
         return RouteDecision(least_loaded, "unmatched", 0)
     top = max(matches.values())
     leaders = [replica_id for replica_id, count in matches.items() if count == top]
-    best = leaders[0] if len(leaders) == 1 else min(leaders, key=loads.key)
+    best = min(leaders, key=loads.key)
     if loads.load(best) - loads.load(least_loaded) > imbalance_threshold:
         return RouteDecision(least_loaded, "spill", 0)
     return RouteDecision(best, "affinity", matches[best])
