@@ -6,8 +6,9 @@ A directory is committed by writing its files and manifest into a dot-prefixed t
 Readers verify in place, since the bucket is already a local path vLLM can read; the path must resolve
 inside the bucket root (vLLM follows symlinks, so a link out of the bucket would load something else).
 
-The run lease's conditional writes: `create` is `O_CREAT | O_EXCL`; a POSIX directory has no
-compare-and-swap, but rename is atomic, so `replace` moves the file aside (of two swappers one gets it),
+The run lease's conditional writes: `create` writes a private file and hard-links it into place (link
+fails when the name exists, and the file appears whole); a POSIX directory has no compare-and-swap,
+but rename is atomic, so `replace` moves the file aside (of two swappers one gets it),
 checks it, and creates the new one exclusively in its place. A file's tag is the sha256 of its bytes.
 
 The s3 backend's local cache is a directory store too (same layout, same commit), which is why `commit`
@@ -17,6 +18,7 @@ takes a function that fills the temporary directory rather than source files.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -206,8 +208,40 @@ def _tag(data: bytes) -> str:
 
 
 def _create_exclusive(path: Path, data: bytes) -> str:
-    """Create a file that must not exist (FileExistsError), with `data` synced; returns its tag."""
+    """Create a file that must not exist (FileExistsError), with `data` synced; returns its tag.
+
+    The bytes are written to a private name first and hard-linked into place: `link` fails when the
+    name exists, and the file appears whole. An `O_EXCL` create shows an empty file until it is written,
+    and a concurrent `_swap` would move that empty file aside, find it foreign and put an empty one back,
+    while the creator wrote its record into the inode it had moved away (two takers of an expired lease
+    then left an empty lease file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.new-{uuid.uuid4().hex[:8]}")
+    try:
+        write_synced(tmp, data)
+        os.link(tmp, path)
+    except OSError as e:
+        if e.errno not in _NO_LINKS:
+            raise
+        _create_in_place(path, data, why=e)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+    return _tag(data)
+
+
+# What a mount without hard links answers `link` with (gcsfuse and s3fs have none).
+_NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
+
+
+def _create_in_place(path: Path, data: bytes, why: OSError) -> None:
+    """`O_CREAT | O_EXCL` and write: the file is empty for a moment, so two drivers taking over one
+    expired lease at once can leave an empty record (the next start then names the file to delete)."""
+    log.warning(
+        "%s: this mount has no hard links (%s); creating the file in place, which is not atomic against "
+        "a concurrent takeover. An s3:// bucket has real conditional writes.",
+        *(path.parent, why.strerror),
+    )
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -217,8 +251,6 @@ def _create_exclusive(path: Path, data: bytes) -> str:
     except BaseException:
         path.unlink(missing_ok=True)  # a half-written file would read as a corrupt one
         raise
-    _fsync_dir(path.parent)
-    return _tag(data)
 
 
 def _swap(path: Path, tag: str, data: bytes | None) -> str | None:
