@@ -18,7 +18,7 @@ from rl_cluster.core.telemetry import GROUP_FATES, TRAINER_METRICS, finite, step
 from rl_cluster.models import model_fingerprint, resolve_model
 from rl_cluster.nodes import node_placement
 from rl_cluster.telemetry import RayMetricSet
-from rl_cluster.trainer.build import build_trainer, evaluator, experience_writer
+from rl_cluster.trainer.build import build_trainer, evaluator, experience_writer, import_in_background
 from rl_cluster.trainer.check import check_sync
 from rl_cluster.trainer.checkpoints import KeptCheckpoints, newest_checkpoint, read_state, restart_fault
 from rl_cluster.trainer.once import Once
@@ -47,9 +47,7 @@ class Trainer:
         self.syncs: list[dict] = []
         self.last_sync: dict = {}
         self.checkpoints = KeptCheckpoints(self.bucket, config)
-        # The trainer's restarts by Ray, as summary.json's `faults` lists them; the open one (this life's)
-        # closes at the first step trained after it.
-        self.faults: list[dict] = []
+        self.faults: list[dict] = []  # Ray's restarts of it; this life's closes at its first step trained
         self._restarted: dict | None = None
         self._base_fingerprint = ""
         self.trainer = None
@@ -62,6 +60,7 @@ class Trainer:
         self._wandb = None
         self._experience = None  # rl_cluster.experience.ExperienceWriter, made with the trainer
         self._once = Once()  # run(): one train() per life of this actor, whoever asks how often
+        self._imported = import_in_background()  # while the generators start: train() waits for it
 
     # -- reporting -------------------------------------------------------------------------------------
     def _on_step(self, step: int, logs: dict) -> None:
@@ -167,6 +166,7 @@ class Trainer:
     def train(self, resume: bool = False) -> dict:
         """Train to trainer.max_steps. `resume` (or a restart of this actor by Ray) continues from the
         newest verified checkpoint; adapter versions continue after the highest ever published."""
+        self._imported.join()
         from rl_cluster.trainer.compat import apply_trainer_workarounds, train_to_max_steps
 
         apply_trainer_workarounds()

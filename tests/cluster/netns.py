@@ -265,7 +265,8 @@ class NamespaceCluster:
         return found
 
     def _end_processes(self) -> None:
-        for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        # Ray's GCS and raylets outlast a SIGTERM by far more than 10 s: a short grace, then SIGKILL.
+        for sig, wait_s in ((signal.SIGTERM, 3), (signal.SIGKILL, 10)):
             for pids in self.pids().values():
                 for pid in pids:
                     with contextlib.suppress(ProcessLookupError):
