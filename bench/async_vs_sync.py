@@ -1,6 +1,6 @@
 """Asynchronous GRPO against the lockstep loop of synchronous trainers: the same short training run
 (jobs/configs/cpu_demo.toml with fewer steps) with trainer.mode=sync and trainer.mode=async, on the same
-two vLLM replicas.
+two vLLM replicas (bench/training.py runs them, beside the experience store's pair).
 
 The pieces are those of a real run (a Ray cluster of our own, the ProxyActor, TrainerActor with TRL's
 AsyncGRPOTrainer, a directory bucket); the replicas are the benchmark's own servers, registered with a
@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import time
 
 import aiohttp
 
@@ -22,7 +21,6 @@ from bench.common import HTTP_TIMEOUT, REPO
 from bench.handoff import VerifyingControl
 from rl_cluster.bucket import Bucket
 from rl_cluster.cluster import runtime_env
-from rl_cluster.config import load_config
 from rl_cluster.core.summary import trainer_idle
 from rl_cluster.models import model_fingerprint
 
@@ -160,38 +158,14 @@ async def train_side_by_side(servers, model_dir, work, configs: dict, reps: int,
     try:
         proxy, proxy_url = await start_proxy(servers, configs[labels[0]].proxy, model_dir, work)
         for rep in range(reps):
-            for label in labels[rep % 2 :] + labels[: rep % 2]:
+            turn = rep % len(labels)  # each repetition starts with the next config
+            for label in labels[turn:] + labels[:turn]:
                 config = configs[label].model_copy(update={"run_name": f"{configs[label].run_name}-{rep}"})
                 record(label, config, await train_once(config, proxy, proxy_url))
                 await unload_all(proxy, proxy_url)
         await proxy.stop.remote()
     finally:
         ray.shutdown()
-
-
-async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
-    work = log_dir / "async_vs_sync"
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    common = [
-        f"trainer.max_steps={plan.train_steps}",
-        f"bucket.uri={work / 'bucket'}",
-        f"bucket.cache_dir={work / 'cache'}",
-        "generator.max_loras=6",
-    ]
-    configs = {
-        mode: load_config(
-            DEMO_CONFIG, [*common, f"trainer.mode={trainer_mode}", f"run_name=bench-{mode}-{stamp}"]
-        )
-        for mode, trainer_mode in MODES.items()
-    }
-    results: dict[str, list[dict]] = {mode: [] for mode in MODES}
-
-    def record(mode: str, config, result: dict) -> None:
-        results[mode].append(measures(result, config.trainer.completions_per_step))
-        print(f"  {mode_label(mode, config)}: {results[mode][-1]['mean_step_s']:.2f} s/step", flush=True)
-
-    await train_side_by_side(servers, model_dir, work, configs, plan.train_reps, record)
-    return summarize(results, configs)
 
 
 def summarize(results: dict[str, list[dict]], configs: dict) -> dict:

@@ -296,7 +296,7 @@ def experience_section(r: dict) -> str:
     return "\n\n".join([
         "## 7. Experience store overhead",
         f"The same asynchronous run ({c['steps']} steps of {c['completions_per_step']} completions, groups of "
-        f"{c['num_generations']}) with `experience.enabled` on and off, alternating, {c['reps']} repetitions on the "
+        f"{c['num_generations']}) with `experience.enabled` on and off, side by side, {c['reps']} repetitions on the "
         f"same replicas. Every pulled sample becomes a row on the training thread; Parquet shards of "
         f"{c['shard_groups']} groups are written and committed on a background thread.",
         table(["setting", "mean step (s)", "trainer idle"], rows),

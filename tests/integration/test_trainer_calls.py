@@ -69,26 +69,33 @@ async def test_a_trainer_ray_will_not_restart_ends_the_call_with_rays_error(loca
         await asyncio.wait_for(call, 120)
 
 
+# What a trainer is built from, as a new trainer actor should hold it before it is asked to train.
+TRAINING_STACK = (
+    "torch",
+    "peft",
+    "trl.experimental.async_grpo.async_grpo_trainer",
+    "rl_cluster.trainer.grpo",
+)
 
-async def test_a_new_trainer_actor_imports_its_training_stack_before_it_is_asked_to_train(local_ray, tmp_path):
+
+async def test_a_new_trainer_actor_imports_its_training_stack_before_it_is_asked_to_train(
+    local_ray, tmp_path
+):
     """The run makes the trainer actor while the generators start and asks it to train once they serve:
     TRL, PEFT and torch are imported in that time, not after it."""
     from conftest import tiny_run_config
 
     from rl_cluster.trainer.actor import TrainerActor
 
-    def stack_loaded(trainer) -> list[str]:  # in the actor (a local function travels by value)
+    def stack_loaded(trainer, wanted: tuple[str, ...]) -> list[str]:  # in the actor (travels by value)
         import sys
 
         trainer._imported.join(timeout=120)
-        wanted = ("torch", "peft", "trl.experimental.async_grpo.async_grpo_trainer", "rl_cluster.trainer.grpo")
         return [m for m in wanted if m in sys.modules] + (["trained"] if trainer.trainer is not None else [])
 
     config = tiny_run_config("warm", tmp_path / "no-model-needed", tmp_path)
     trainer = TrainerActor.options(num_cpus=0).remote(config, "http://127.0.0.1:9")
     try:
-        loaded = await trainer.__ray_call__.remote(stack_loaded)
-        assert loaded == ["torch", "peft", "trl.experimental.async_grpo.async_grpo_trainer",
-                          "rl_cluster.trainer.grpo"]  # fmt: skip
+        assert await trainer.__ray_call__.remote(stack_loaded, TRAINING_STACK) == list(TRAINING_STACK)
     finally:
         ray.kill(trainer)
