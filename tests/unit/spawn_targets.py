@@ -2,11 +2,12 @@
 imports the target's module before it runs)."""
 
 
-def fill_and_exit(buffer, cancel: bool) -> None:
+def fill_and_exit(buffer, cancel: bool, returning) -> None:
     for i in range(64):
         buffer.put({"input_ids": list(range(1000)), "i": i})  # ~5 KB pickled each: more than a pipe holds
     if cancel:
         buffer.cancel_join_thread()
+    returning.set()  # the target is done: what follows is the process's exit
 
 
 def orphan(watch: bool, ready) -> None:

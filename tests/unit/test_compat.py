@@ -350,10 +350,11 @@ def test_trls_pickle_check_refuses_shared_arrays_and_position_travels_to_a_spawn
 def test_a_child_with_an_unread_full_buffer_does_not_exit(cancel):
     """Item 13: what TRL's rollout child does when training ends (its buffer is a spawn-context Queue)."""
     ctx = mp.get_context("spawn")
-    buffer = ctx.Queue()
-    child = ctx.Process(target=spawn_targets.fill_and_exit, args=(buffer, cancel))
+    buffer, returning = ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=spawn_targets.fill_and_exit, args=(buffer, cancel, returning))
     child.start()
-    child.join(10)
+    assert returning.wait(60)  # (the child's start is a spawn: imports, slow on a loaded machine)
+    child.join(5)  # an exit takes milliseconds; a blocked feeder thread waits for ever
     try:
         assert child.is_alive() is not cancel
     finally:
