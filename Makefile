@@ -44,8 +44,9 @@ $(PROMETHEUS):
 demo: setup
 	$(BIN)/python jobs/train_grpo.py --config jobs/configs/cpu_demo.toml
 
+# Unit tests first: they run on one core while tests/conftest.py builds the tiny models on the other.
 test: setup tools
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 tests/unit tests/e2e tests/integration
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm" tests

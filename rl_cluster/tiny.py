@@ -316,21 +316,26 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "rl_cluster" if ray_package_dir(str(repo)) else repo / ".cache"
 
 
+def tiny_model_path(cache_dir: str | Path | None = None, task: str = "add") -> Path:
+    """Where ensure_tiny_model keeps the model for `task` (built or not): its name holds its recipe's hash."""
+    if task not in ("add", "math"):
+        raise ValueError(f"task={task!r}: the tiny model is made for `add` or `math`")
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if task == "math":
+        return root / f"tiny-qwen2-math-{_math_fingerprint()}"
+    return root / f"tiny-qwen2-add-{_fingerprint()}"
+
+
 def ensure_tiny_model(cache_dir: str | Path | None = None, task: str = "add") -> Path:
     """The tiny model's directory under `cache_dir` (default: `$RL_CLUSTER_CACHE` or `<repo>/.cache`),
     built on first use. `task`: `add`, warm-started on the toy addition task, or `math`, warm-started on
     the MATH-format task (rl_cluster.data.tiny_math; see `MATH_RECIPE`). Safe to call concurrently: each
     caller builds in a temporary directory and renames it into place; the first rename wins and the
     others discard their copy."""
-    if task not in ("add", "math"):
-        raise ValueError(f"task={task!r}: the tiny model is made for `add` or `math`")
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    if task == "math":
-        final = root / f"tiny-qwen2-math-{_math_fingerprint()}"
-    else:
-        final = root / f"tiny-qwen2-add-{_fingerprint()}"
+    final = tiny_model_path(cache_dir, task)
     if final.is_dir():
         return final
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
     try:

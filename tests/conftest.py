@@ -14,6 +14,7 @@ import asyncio
 import faulthandler
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -45,11 +46,60 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.vllm)
 
 
+# -- the tiny models, built beside the unit tests -----------------------------------------------------------
+# A clean clone has neither tiny model, and the first test that needed one built it: about 100 s of one
+# core (the math model's warm start is 80 s) while the rest of the suite waited. When the session's tests
+# need them, one lower-priority process builds them from the start, while the unit tests (run first, by the
+# Makefile) use the other core; each fixture waits for its model only.
+TINY_CACHE = Path(os.environ.get("RL_CLUSTER_CACHE", REPO / ".cache"))
+MATH_TESTS = E2E / "test_math_run.py"
+_builder: subprocess.Popen | None = None
+
+
+def pytest_collection_finish(session):
+    global _builder
+    from rl_cluster.tiny import tiny_model_path
+
+    needed = {
+        "add": any(item.get_closest_marker("vllm") for item in session.items),
+        "math": any(item.path == MATH_TESTS for item in session.items),
+    }
+    tasks = [task for task, need in needed.items() if need and not tiny_model_path(TINY_CACHE, task).is_dir()]
+    if tasks:
+        TINY_CACHE.mkdir(parents=True, exist_ok=True)
+        code = "import sys; from rl_cluster.tiny import ensure_tiny_model as e; [e(sys.argv[1], t) for t in sys.argv[2:]]"
+        with open(TINY_CACHE / "prebuild.log", "wb") as log:
+            _builder = subprocess.Popen(
+                ["nice", "-n", "10", sys.executable, "-c", code, str(TINY_CACHE), *tasks],
+                cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+
+def pytest_sessionfinish(session):
+    if _builder is not None and _builder.poll() is None:  # a session that ended before it was needed
+        _builder.kill()
+        _builder.wait()
+
+
+def tiny_model(task: str) -> Path:
+    """The tiny model for `task`, once the session's builder has it (or has ended: then this builds it, and
+    a failing build fails here with its own error)."""
+    from rl_cluster.tiny import ensure_tiny_model, tiny_model_path
+
+    path = tiny_model_path(TINY_CACHE, task)
+    while _builder is not None and _builder.poll() is None and not path.is_dir():
+        time.sleep(0.5)
+    return ensure_tiny_model(TINY_CACHE, task)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    from rl_cluster.tiny import ensure_tiny_model
+    return tiny_model("add")
 
-    return ensure_tiny_model(os.environ.get("RL_CLUSTER_CACHE", REPO / ".cache"))
+
+@pytest.fixture(scope="session")
+def tiny_math_model_dir() -> Path:
+    return tiny_model("math")
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,6 @@ from cluster.prometheus import panel_queries, plot_range, prometheus, query, que
 from prometheus_client.parser import text_string_to_metric_families
 
 from rl_cluster.data.tiny_math import write_task
-from rl_cluster.tiny import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = "e2e-math"
@@ -120,9 +119,9 @@ def panels_answering(url: str, run: subprocess.Popen, timeout_s: float = 300) ->
     return {q: t for q, t in queries.items() if q not in answers}, answers
 
 
-def test_eval_pass_at_1_rises_on_the_tiny_math_task(tmp_path):
+def test_eval_pass_at_1_rises_on_the_tiny_math_task(tiny_math_model_dir, tmp_path):
     files = write_task(tmp_path / "data", train_rows=2000, seed=0)
-    model_dir = ensure_tiny_model(task="math")  # cached after the first build (a few minutes on 2 cores)
+    model_dir = tiny_math_model_dir
     overrides = [
         # A directory rather than the `tiny-math` name: both commands must name the same model, and the
         # prepared data's location follows model.path.
@@ -223,13 +222,13 @@ CPU_SIZED = [
 
 
 @pytest.mark.parametrize("recipe", ["qwen25_math_1p5b", "deepseek_r1_distill_qwen_1p5b"])
-def test_each_reference_recipe_runs_two_steps_on_the_tiny_model(recipe, tmp_path):
+def test_each_reference_recipe_runs_two_steps_on_the_tiny_model(recipe, tiny_math_model_dir, tmp_path):
     """The recipe's pipeline end to end, with `model.path` the tiny math model and the hub dataset
     replaced by local MATH-format files: `prepare`, then two training steps with evals at 0 and 2."""
     files = write_task(tmp_path / "data", train_rows=200, seed=1)
     config = f"jobs/configs/{recipe}.toml"
     overrides = [
-        f"model.path={ensure_tiny_model(task='math')}",
+        f"model.path={tiny_math_model_dir}",
         "task.dataset=parquet",
         f'task.data_files={{ train = ["{files["train"]["parquet"]}"], test = ["{files["test"]["parquet"]}"] }}',
         f"bucket.uri={tmp_path / 'bucket'}",
