@@ -29,6 +29,11 @@ class ReplicaDown(AdapterError):
     its server again yet. A broadcast leaves it out (it catches up when it is back)."""
 
 
+class ReplicaUnreachable(ReplicaDown):
+    """Ray cannot reach the replica's generator actor (ActorUnavailableError): its node is cut off, or was
+    and Ray has not reconnected yet, or is going away. Not dead: out of routing until a catch-up reaches it."""
+
+
 class ReplicaTimeout(ReplicaDown):
     """The replica did not answer within its deadline (proxy.load_deadline_s): hung (a stopped process, a
     stalled mount, a wedged engine) or cut off. Treated as down: out of routing until it answers again."""

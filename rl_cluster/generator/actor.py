@@ -23,7 +23,7 @@ from rl_cluster.core.auth import bearer_headers
 from rl_cluster.core.manifest import split_adapter_dir_name
 from rl_cluster.core.restarts import RestartBudget
 from rl_cluster.core.telemetry import GENERATOR_METRICS, PrefixCacheCounts, vllm_gauges
-from rl_cluster.errors import ReplicaDown
+from rl_cluster.errors import ReplicaDown, ReplicaUnreachable
 from rl_cluster.generator.server import ServerSpec, VLLMServer
 from rl_cluster.models import model_fingerprint, resolve_model
 from rl_cluster.nodes import node_placement
@@ -348,6 +348,8 @@ class ActorAdapterLoader:
         except ray.exceptions.RayTaskError as e:
             # The proxy reports the replica's reason to its client: the cause, not Ray's traceback.
             raise e.cause from None
+        except ray.exceptions.ActorUnavailableError:
+            raise ReplicaUnreachable("Ray cannot reach its generator actor (ActorUnavailableError)") from None
         except ray.exceptions.RayActorError as e:
             raise ReplicaDown(f"its generator actor died: {type(e).__name__}") from None
 

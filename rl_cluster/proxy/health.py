@@ -18,7 +18,7 @@ import aiohttp
 
 from rl_cluster.config import ProxyConfig
 from rl_cluster.core.versions import ReplicaState, VersionBook
-from rl_cluster.errors import ReplicaDown, ReplicaMisbehaved, ReplicaTimeout
+from rl_cluster.errors import ReplicaDown, ReplicaMisbehaved, ReplicaTimeout, ReplicaUnreachable
 from rl_cluster.proxy.forward import ReplicaFailed
 from rl_cluster.proxy.replica import Replica, probe
 
@@ -103,6 +103,8 @@ class HealthWatch:
             problem = "missed its deadline"
         elif isinstance(error, ReplicaMisbehaved):  # healthy by /health, but it lied about the load
             problem = "not asked: its answer broke the protocol"
+        elif isinstance(error, ReplicaUnreachable):  # cut off (or was, and Ray has not reconnected yet)
+            problem = "its actor is out of reach"
         elif isinstance(error, ReplicaDown):  # its actor says so; its old server may linger a few seconds
             problem = "no server"
         else:

@@ -511,7 +511,9 @@ def test_a_four_node_job_trains_through_what_a_cloud_does_to_it(cluster, hub_env
     print("\nchaos run, seconds until the run was over each fault (as this test saw it): "
           + ", ".join(f"{what} {s:.0f}" for what, s in took.items()) + f"; at step {steps_then}")  # fmt: skip
     # Training goes on on both replicas for a while, then the run is stopped as a user's Ctrl-C does.
-    wait_for_log(cluster, job, rf"step +{int(steps_then) + 4}/{CHAOS_STEPS}", 600, logged)
+    # Ten steps: both replicas serve (g1's new engine on the spare must have prefix-cache counters to read;
+    # after four steps it once had none).
+    wait_for_log(cluster, job, rf"step +{int(steps_then) + 10}/{CHAOS_STEPS}", 600, logged)
     (driver,) = (pid for pid in pids_running(cluster, "head", b"jobs/train_grpo.py")
                  if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith(b"python"))  # fmt: skip
     os.kill(driver, signal.SIGINT)

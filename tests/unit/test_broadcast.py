@@ -140,3 +140,32 @@ async def test_a_replica_that_answered_not_found_then_hangs_reports_the_adapter_
             ),  # fmt: skip
             5,
         )
+
+
+async def test_an_unreachable_actor_takes_its_replica_out_of_routing_without_asking_its_server():
+    """A load through a generator actor Ray cannot reach (ActorUnavailableError: cut off, or just back and
+    not reconnected yet) fails on that replica only: it leaves routing, named unreachable rather than
+    dead, and its server's /health (which may answer fine) is not the judge."""
+    from rl_cluster.config import ProxyConfig
+    from rl_cluster.core.versions import ReplicaState, VersionBook
+    from rl_cluster.errors import ReplicaUnreachable
+    from rl_cluster.proxy.health import HealthWatch
+    from rl_cluster.proxy.replica import Replica
+
+    book = VersionBook()
+    book.add_replica("g1")
+    book.activate("g1")
+    replicas = {"g1": Replica("g1", "http://127.0.0.1:9", loader=None)}
+    watch = HealthWatch(ProxyConfig(), replicas, book, spawn=None, catch_up_again=None)
+
+    async def healthy(replica):
+        return None
+
+    watch.probe = healthy
+    error = ReplicaUnreachable("Ray cannot reach its generator actor (ActorUnavailableError)")
+    assert await watch.is_down("g1", error)
+    assert book.state("g1") is ReplicaState.UNHEALTHY
+    assert watch.down_reasons["g1"] == (
+        "ReplicaUnreachable: Ray cannot reach its generator actor (ActorUnavailableError); "
+        "health check: its actor is out of reach"
+    )
