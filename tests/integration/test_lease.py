@@ -173,12 +173,12 @@ def test_release_deletes_the_lease_so_the_next_driver_takes_it(new_bucket):
 
 
 def test_the_renewer_keeps_the_lease_live_and_reports_a_takeover(new_bucket):
-    lease = lease_of(new_bucket(), ttl_s=3.0)  # renews every second
+    lease = lease_of(new_bucket(), ttl_s=1.5)  # renews every 0.5 s
     mine = lease.acquire()
     lost = threading.Event()
     lease.start_renewing(lambda why: lost.set())
     try:
-        time.sleep(4.0)  # longer than the TTL: without renewals it would have expired
+        time.sleep(2.0)  # longer than the TTL: without renewals it would have expired
         record = LeaseRecord.parse(stored(new_bucket()), "lease")
         assert record.id == mine.id and record.is_live(time.time())
         assert not lost.is_set()
