@@ -159,8 +159,16 @@ def _warm_start(model, tokenizer) -> None:
             else:
                 noisy[i, t, digit_ids] = (1 - ws["teacher_p"]) / 10
                 noisy[i, t, tok] += ws["teacher_p"]
-    attention = (input_ids != tokenizer.pad_token_id).long()
-    weight = clean.sum(-1)  # 1 where a target is set
+    _fit(model, input_ids, tokenizer.pad_token_id, clean, noisy, clean.sum(-1), ws)  # weight: 1 where set
+
+
+def _fit(model, input_ids, pad_id: int, clean, noisy, weight, ws: dict) -> None:
+    """Full-batch AdamW on the whole task (both warm starts): `clean_steps` towards the `clean` targets,
+    then `noisy_steps` towards the `noisy` ones (a distribution over the next token at each position),
+    the loss weighted per position by `weight`, after a 20-step linear warmup."""
+    import torch
+
+    attention = (input_ids != pad_id).long()
     optimizer = torch.optim.AdamW(model.parameters(), lr=ws["lr"], weight_decay=0.0)
     model.train()
     for step in range(ws["clean_steps"] + ws["noisy_steps"]):
@@ -175,22 +183,28 @@ def _warm_start(model, tokenizer) -> None:
     model.eval()
 
 
-def _build(out_dir: Path) -> None:
+def _build_from(out_dir: Path, recipe: dict, warm_start) -> None:
+    """The model of `recipe`, warm-started by `warm_start(model, tokenizer)`, saved with its recipe. One
+    thread and a forked RNG: the same bytes on every machine and in every process."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(RECIPE["warm_start"]["seed"])
+            torch.manual_seed(recipe["warm_start"]["seed"])
             tokenizer = _make_tokenizer()
             model = _make_model(tokenizer)
-            _warm_start(model, tokenizer)
+            warm_start(model, tokenizer)
         model.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
-        (out_dir / "recipe.json").write_text(json.dumps(RECIPE, indent=1))
+        (out_dir / "recipe.json").write_text(json.dumps(recipe, indent=1))
     finally:
         torch.set_num_threads(threads)
+
+
+def _build(out_dir: Path) -> None:
+    _build_from(out_dir, RECIPE, _warm_start)
 
 
 # -- the MATH-format variant ----------------------------------------------------------------------------
@@ -271,38 +285,12 @@ def _warm_start_math(model, tokenizer) -> None:
             noisy[i, position - 1] = 0.0
             noisy[i, position - 1, digit_list] = (1 - ws["teacher_p"]) / 10
             noisy[i, position - 1, tok] += ws["teacher_p"]
-    attention = (input_ids != tokenizer.pad_token_id).long()
     weight = clean.sum(-1) * torch.tensor(weights)[:, None]  # 1 where a target is set, times the mixture
-    optimizer = torch.optim.AdamW(model.parameters(), lr=ws["lr"], weight_decay=0.0)
-    model.train()
-    for step in range(ws["clean_steps"] + ws["noisy_steps"]):
-        for group in optimizer.param_groups:
-            group["lr"] = ws["lr"] * min(1.0, (step + 1) / 20)  # short warmup
-        target = clean if step < ws["clean_steps"] else noisy
-        logits = model(input_ids=input_ids, attention_mask=attention).logits
-        loss = -(target * logits.log_softmax(-1)).sum(-1).mul(weight).sum() / weight.sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval()
+    _fit(model, input_ids, tokenizer.pad_token_id, clean, noisy, weight, ws)
 
 
 def _build_math(out_dir: Path) -> None:
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(MATH_RECIPE["warm_start"]["seed"])
-            tokenizer = _make_tokenizer()
-            model = _make_model(tokenizer)
-            _warm_start_math(model, tokenizer)
-        model.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
-        (out_dir / "recipe.json").write_text(json.dumps(MATH_RECIPE, indent=1))
-    finally:
-        torch.set_num_threads(threads)
+    _build_from(out_dir, MATH_RECIPE, _warm_start_math)
 
 
 def default_cache_dir() -> Path:
