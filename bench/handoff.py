@@ -22,6 +22,7 @@ import aiohttp
 from bench.common import HTTP_TIMEOUT, S3_ENV, median, moto_s3, quantile
 from rl_cluster.bucket import Bucket
 from rl_cluster.config import ProxyConfig
+from rl_cluster.core.manifest import AdapterMeta
 from rl_cluster.models import model_fingerprint
 from rl_cluster.proxy.adapter_loader import HttpAdapterLoader
 from rl_cluster.proxy.server import ProxyServer
@@ -86,8 +87,8 @@ async def through_proxy(bucket: Bucket, servers, adapter: Path, fingerprint: str
                 t0 = time.perf_counter()
                 uri = await asyncio.to_thread(
                     bucket.publish_adapter, run, name, version, adapter,
-                    base_model="tiny", base_fingerprint=fingerprint, rank=1, alpha=2.0,
-                    target_modules="all-linear", trainer_step=version,
+                    AdapterMeta(base_model="tiny", base_fingerprint=fingerprint, rank=1, alpha=2.0,
+                                target_modules="all-linear", trainer_step=version),
                 )  # fmt: skip
                 t1 = time.perf_counter()
                 await asyncio.to_thread(

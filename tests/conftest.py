@@ -185,14 +185,15 @@ def marked_ray():
 def publish_lora(bucket, run: str, version: int, model_dir: Path, work_dir: Path) -> str:
     """Publish a fresh random LoRA on the tiny model as `<run>-v<version>`; returns its URI."""
 
+    from rl_cluster.core.manifest import AdapterMeta
     from rl_cluster.models import model_fingerprint
 
     src = work_dir / f"lora-src-{version}"
     save_lora(model_dir, src, seed=version)
     return bucket.publish_adapter(
-        run, run, version, src, base_model=str(model_dir),
-        base_fingerprint=model_fingerprint(model_dir),
-        rank=1, alpha=2, target_modules="all-linear", trainer_step=version,
+        run, run, version, src,
+        AdapterMeta(base_model=str(model_dir), base_fingerprint=model_fingerprint(model_dir), rank=1, alpha=2,
+                    target_modules="all-linear", trainer_step=version),
     )  # fmt: skip
 
 

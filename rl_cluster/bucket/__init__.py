@@ -56,6 +56,7 @@ from rl_cluster.core.manifest import (
     CHECKPOINT_REQUIRED_FILES,
     MANIFEST_NAME,
     REQUIRED_FILES,
+    AdapterMeta,
     build_checkpoint_manifest,
     build_manifest,
     check_checkpoint_compatible,
@@ -157,13 +158,7 @@ class Bucket:
         adapter_name: str,
         version: int,
         src_dir: str | Path,
-        *,
-        base_model: str,
-        base_fingerprint: str,
-        rank: int,
-        alpha: float,
-        target_modules: str | list[str],
-        trainer_step: int,
+        meta: AdapterMeta,
     ) -> str:
         """Publish a PEFT `save_pretrained` directory as version N; returns the version's URI.
 
@@ -173,19 +168,9 @@ class Bucket:
         src = Path(src_dir)
         files = flat_files(src, REQUIRED_FILES, "a PEFT save_pretrained directory")
         peft_rank = json.loads((src / "adapter_config.json").read_text()).get("r")
-        if peft_rank is not None and peft_rank != rank:
-            raise ValueError(f"{src}: adapter_config.json says r={peft_rank}, but rank={rank} was given")
-        build = functools.partial(
-            build_manifest,
-            adapter_name=adapter_name,
-            version=version,
-            base_model=base_model,
-            base_fingerprint=base_fingerprint,
-            rank=rank,
-            alpha=alpha,
-            target_modules=target_modules,
-            trainer_step=trainer_step,
-        )
+        if peft_rank is not None and peft_rank != meta.rank:
+            raise ValueError(f"{src}: adapter_config.json says r={peft_rank}, but rank={meta.rank} was given")
+        build = functools.partial(build_manifest, adapter_name=adapter_name, version=version, meta=meta)
         return self._publish(adapter_rel(run_name, adapter_name, version), files, build, ADAPTERS)
 
     def publish_checkpoint(

@@ -17,6 +17,7 @@ import hashlib
 import json
 import re
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from rl_cluster.errors import AdapterRejected, FilesDiffer
@@ -148,16 +149,23 @@ def parse_checkpoint_dir_name(name: str) -> int | None:
     return _number_after(f"{CHECKPOINT_PREFIX}-", name)
 
 
+@dataclass(frozen=True)
+class AdapterMeta:
+    """What a published adapter version fits and came from, as its manifest records it."""
+
+    base_model: str  # as the run names it (a hub id or a path)
+    base_fingerprint: str  # base_model_fingerprint of its config.json: what the adapter's shapes fit
+    rank: int  # LoRA r
+    alpha: float  # LoRA alpha
+    target_modules: str | list[str]  # PEFT's target_modules ("all-linear" or module names)
+    trainer_step: int  # the trainer's global step when it was saved
+
+
 def build_manifest(
     *,
     adapter_name: str,
     version: int,
-    base_model: str,
-    base_fingerprint: str,
-    rank: int,
-    alpha: float,
-    target_modules: str | list[str],
-    trainer_step: int,
+    meta: AdapterMeta,
     created_at: str,
     files: Mapping[str, tuple[int, str]],
 ) -> dict[str, Any]:
@@ -168,12 +176,14 @@ def build_manifest(
         "name": adapter_dir_name(adapter_name, version),
         "adapter_name": adapter_name,
         "version": version,
-        "base_model": base_model,
-        "base_model_fingerprint": base_fingerprint,
-        "rank": rank,
-        "alpha": alpha,
-        "target_modules": target_modules if isinstance(target_modules, str) else list(target_modules),
-        "trainer_step": trainer_step,
+        "base_model": meta.base_model,
+        "base_model_fingerprint": meta.base_fingerprint,
+        "rank": meta.rank,
+        "alpha": meta.alpha,
+        "target_modules": meta.target_modules
+        if isinstance(meta.target_modules, str)
+        else list(meta.target_modules),
+        "trainer_step": meta.trainer_step,
         "created_at": created_at,
         "files": {name: {"size": size, "sha256": sha} for name, (size, sha) in sorted(files.items())},
     }

@@ -28,7 +28,7 @@ from trl.experimental.async_grpo.async_grpo_trainer import save_lora_adapter
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.core.admission import AdmissionWindow
-from rl_cluster.core.manifest import adapter_dir_name, split_adapter_dir_name
+from rl_cluster.core.manifest import AdapterMeta, adapter_dir_name, split_adapter_dir_name
 from rl_cluster.trainer.batching import PackedStepsMixin, packed_steps
 from rl_cluster.trainer.compat import (
     AdapterSyncTrainer,
@@ -129,12 +129,14 @@ class BucketSyncTrainer(PackedStepsMixin, AdapterSyncTrainer):
                 self.adapter_prefix,
                 version,
                 os.path.join(stage, name),
-                base_model=self.base_model,
-                base_fingerprint=self.base_fingerprint,
-                rank=peft_config.r,
-                alpha=peft_config.lora_alpha,
-                target_modules=sorted(peft_config.target_modules),
-                trainer_step=self.state.global_step,
+                AdapterMeta(
+                    base_model=self.base_model,
+                    base_fingerprint=self.base_fingerprint,
+                    rank=peft_config.r,
+                    alpha=peft_config.lora_alpha,
+                    target_modules=sorted(peft_config.target_modules),
+                    trainer_step=self.state.global_step,
+                ),
             )
         t_published = time.time()
         self.proxy.load_adapter(name, uri)

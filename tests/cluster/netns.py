@@ -323,4 +323,7 @@ class NamespaceCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        """Ends everything, and fails when anything outlived it: a process, a namespace or a link."""
+        survivors = self.close()
+        assert not survivors, f"processes left in the namespaces: {survivors}"
+        assert not self.namespaces_left() and not self.links_left()

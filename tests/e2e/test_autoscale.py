@@ -33,6 +33,7 @@ from cluster.netns import NamespaceCluster
 from conftest import save_lora
 
 from rl_cluster.bucket import Bucket
+from rl_cluster.core.manifest import AdapterMeta
 from rl_cluster.models import model_fingerprint
 
 pytestmark = pytest.mark.vllm
@@ -81,17 +82,11 @@ def autoscaling_config() -> dict:
 def cluster(tmp_path_factory):
     config = tmp_path_factory.mktemp("autoscaler") / "cluster.yaml"
     config.write_text(yaml.safe_dump(autoscaling_config()))
-    ns = NamespaceCluster(
+    with NamespaceCluster(
         "rlas", "10.231.9", {"head": {}}, env={"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"},
         head_args=[f"--autoscaling-config={config}"], host_address=True,
-    )  # fmt: skip
-    ns.start()
-    try:
+    ) as ns:  # fmt: skip
         yield ns
-    finally:
-        survivors = ns.close()
-        assert not survivors, f"processes left in the namespace: {survivors}"
-        assert not ns.namespaces_left() and not ns.links_left()
 
 
 @dataclass
@@ -188,8 +183,8 @@ async def publish_and_load(http, served, version: int) -> str:
     name = f"{RUN}-v{version}"
     uri = await asyncio.to_thread(
         served.bucket.publish_adapter, RUN, RUN, version, served.lora_dir / f"lora-{version}",
-        base_model=str(served.model_dir), base_fingerprint=model_fingerprint(served.model_dir), rank=1,
-        alpha=2, target_modules="all-linear", trainer_step=version,
+        AdapterMeta(base_model=str(served.model_dir), base_fingerprint=model_fingerprint(served.model_dir),
+                    rank=1, alpha=2, target_modules="all-linear", trainer_step=version),
     )  # fmt: skip
     body = {"lora_name": name, "lora_path": uri}
     async with http.post(f"{served.url}/v1/load_lora_adapter", json=body, headers=CONTROL) as r:

@@ -52,7 +52,7 @@ def cluster():
     # chaos run's 30 s cut is meant as a partition, not a loss: 10 failures, as an operator of a network
     # with short partitions would set it.
     tolerant = {"RAY_health_check_failure_threshold": "10"}
-    ns = NamespaceCluster(
+    with NamespaceCluster(
         "rlc",
         "10.231.7",
         NODES,
@@ -60,14 +60,8 @@ def cluster():
         node_env={"head": HEAD_SECRETS},
         later=SPARE,
         host_address=True,
-    )
-    ns.start()
-    try:
+    ) as ns:
         yield ns
-    finally:
-        survivors = ns.close()
-        assert not survivors, f"processes left in the namespaces: {survivors}"
-        assert not ns.namespaces_left() and not ns.links_left()
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from conftest import S3_ENV, free_port, moto_s3
 
 from rl_cluster.bucket import Bucket, apply_cache_retention, directory
 from rl_cluster.bucket.layout import checkpoint_rel
-from rl_cluster.core.manifest import base_model_fingerprint
+from rl_cluster.core.manifest import AdapterMeta, base_model_fingerprint
 from rl_cluster.errors import AdapterNotFound, AdapterRejected, BucketUnavailable
 
 S3_BUCKET = "rl-test"
@@ -99,8 +99,9 @@ def make_checkpoint(directory: Path, step: int, extra: bool = False) -> Path:
 
 
 def publish(bucket: Bucket, version: int, src: Path, rank: int = 1, name: str = "policy") -> str:
-    return bucket.publish_adapter(RUN, name, version, src, base_model="tiny", base_fingerprint=FP, rank=rank,
-                                  alpha=2.0 * rank, target_modules=["q_proj"], trainer_step=10 * version)  # fmt: skip
+    meta = AdapterMeta(base_model="tiny", base_fingerprint=FP, rank=rank, alpha=2.0 * rank,
+                       target_modules=["q_proj"], trainer_step=10 * version)  # fmt: skip
+    return bucket.publish_adapter(RUN, name, version, src, meta)
 
 
 def publish_checkpoint(bucket: Bucket, step: int, src: Path) -> str:

@@ -1,11 +1,13 @@
 """Manifest rules: fingerprints, names, validation, each rejection's own message, retention."""
 
+import dataclasses
 import json
 
 import pytest
 
 from rl_cluster.core.manifest import (
     CHECKPOINT,
+    AdapterMeta,
     adapter_dir_name,
     base_model_fingerprint,
     build_checkpoint_manifest,
@@ -33,9 +35,15 @@ FILES = {"adapter_model.safetensors": sha256_of([WEIGHTS]), "adapter_config.json
 
 
 def manifest(**overrides):
-    meta = dict(adapter_name="policy", version=3, base_model="tiny", base_fingerprint=FP, rank=1, alpha=2.0,
-                target_modules="all-linear", trainer_step=12, created_at="2026-01-01T00:00:00Z", files=FILES)  # fmt: skip
-    return build_manifest(**{**meta, **overrides})
+    """An adapter manifest; `overrides` name its fields, AdapterMeta's among them."""
+    meta_fields = {f.name for f in dataclasses.fields(AdapterMeta)}
+    meta = AdapterMeta(base_model="tiny", base_fingerprint=FP, rank=1, alpha=2.0, target_modules="all-linear",
+                       trainer_step=12)  # fmt: skip
+    meta = dataclasses.replace(meta, **{k: v for k, v in overrides.items() if k in meta_fields})
+    rest = dict(adapter_name="policy", version=3, created_at="2026-01-01T00:00:00Z", files=FILES)
+    return build_manifest(
+        meta=meta, **{**rest, **{k: v for k, v in overrides.items() if k not in meta_fields}}
+    )
 
 
 def check(m, observed=None, fingerprint=FP, max_rank=8, expected_name=None):

@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "rl_cluster"
 FUNCTION_LINES, CLASS_LINES = 60, 250
 # name -> its size when it was listed; each still to be split.
 STILL_LONG = {
-    "rl_cluster/bucket/__init__.py:Bucket": 274,
+    "rl_cluster/bucket/__init__.py:Bucket": 258,
 }
 
 
