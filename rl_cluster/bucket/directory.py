@@ -232,16 +232,19 @@ def _create_exclusive(path: Path, data: bytes) -> str:
 
 # What a mount without hard links answers `link` with (gcsfuse and s3fs have none).
 _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
+_said_no_links: set[Path] = set()  # directories warned about: a lease renewal creates every TTL/3
 
 
 def _create_in_place(path: Path, data: bytes, why: OSError) -> None:
     """`O_CREAT | O_EXCL` and write: the file is empty for a moment, so two drivers taking over one
     expired lease at once can leave an empty record (the next start then names the file to delete)."""
-    log.warning(
-        "%s: this mount has no hard links (%s); creating the file in place, which is not atomic against "
-        "a concurrent takeover. An s3:// bucket has real conditional writes.",
-        *(path.parent, why.strerror),
-    )
+    if path.parent not in _said_no_links:
+        _said_no_links.add(path.parent)
+        log.warning(
+            "%s: this mount has no hard links (%s); creating files in place, which is not atomic against "
+            "a concurrent takeover. An s3:// bucket has real conditional writes.",
+            *(path.parent, why.strerror),
+        )
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         with os.fdopen(fd, "wb") as f:
