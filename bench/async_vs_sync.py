@@ -20,7 +20,7 @@ import aiohttp
 from bench.common import HTTP_TIMEOUT, REPO
 from bench.handoff import VerifyingControl
 from rl_cluster.bucket import Bucket
-from rl_cluster.cluster import runtime_env
+from rl_cluster.connection import runtime_env
 from rl_cluster.core.summary import trainer_idle
 from rl_cluster.models import model_fingerprint
 

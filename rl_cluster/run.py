@@ -24,6 +24,7 @@ from collections.abc import Awaitable
 
 from rl_cluster.config import RunConfig
 from rl_cluster.core.summary import NEVER_DEDUPLICATED, exit_status, summarize, summary_table
+from rl_cluster.credentials import RunSecrets, proxy_binds_loopback, write_private_file
 from rl_cluster.errors import RunRefused
 
 # Read by Ray when it is imported (below, inside the functions): every progress line reaches the logs.
@@ -114,7 +115,8 @@ async def train(config: RunConfig, resume: bool = False) -> dict:
 async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
     import ray
 
-    from rl_cluster.cluster import RunSecrets, check_placeable, connect, start_proxy
+    from rl_cluster.cluster import start_proxy
+    from rl_cluster.connection import check_placeable, connect
     from rl_cluster.plots import curves_png  # noqa: F401  imported now: matplotlib takes seconds, and
     from rl_cluster.pool import start_pool  # after `ray job stop` there are 3 (_summarize_run uses it)
 
@@ -134,10 +136,8 @@ async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
         if not loopback:  # a private local Ray declared the resources itself
             await check_placeable(config)  # RunRefused in seconds where no node can ever hold an actor
         secrets = RunSecrets.for_run(config)
-        print(
-            f"run {config.run_name}: starting {config.generator.replicas} generators and the proxy",
-            flush=True,
-        )
+        starting = f"starting {config.generator.replicas} generators and the proxy"
+        print(f"run {config.run_name}: {starting}", flush=True)
         cluster = await start_proxy(config, log_dir_for(config), secrets, loopback=loopback)
         # Its process starts (imports torch, transformers, TRL) beside the vLLM servers; the cleanup ends both.
         cluster.trainer = trainer_actor(config, cluster.proxy_url, secrets)
@@ -369,7 +369,8 @@ async def serve(config: RunConfig) -> None:
     """The generators behind the proxy until SIGINT or SIGTERM; then every process it started stops."""
     import ray
 
-    from rl_cluster.cluster import RunSecrets, connect, launch, proxy_binds_loopback
+    from rl_cluster.cluster import launch
+    from rl_cluster.connection import connect
     from rl_cluster.pool import start_pool
 
     stop = asyncio.Event()
@@ -411,8 +412,6 @@ async def serve(config: RunConfig) -> None:
 
 def write_token_file(run_name: str, token: str) -> str:
     """A generated proxy token goes into a file only its owner can read, never onto the terminal."""
-    from rl_cluster.cluster import write_private_file
-
     path = os.path.abspath(os.path.join(".cache", "tokens", run_name))
     write_private_file(path, token + "\n")  # 0600 even where an older file had another mode
     return path

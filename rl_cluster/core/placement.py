@@ -1,6 +1,6 @@
 """Can the cluster ever place a run's actors, and is the driver running in a copy Ray made of its checkout?
 
-Pure (no Ray): rl_cluster.cluster reads the live nodes and the autoscaler, and asks `unplaceable`.
+Pure (no Ray): rl_cluster.connection reads the live nodes and the autoscaler, and asks `unplaceable`.
 
 Ray never refuses an actor it cannot place: on a cluster started with a plain `ray start --head` (no
 `trainer` or `generator` resource) the run would wait for ever, repeating `No available node types can

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import stat
 
-from rl_cluster.cluster import write_private_file
+from rl_cluster.credentials import write_private_file
 
 
 def mode(path) -> int:
@@ -60,8 +60,8 @@ def test_the_runs_token_file_replaces_a_world_readable_one(tmp_path, monkeypatch
 def test_serve_generates_a_token_unless_the_proxy_binds_loopback():
     """What `serve` passes as generate_token: a proxy others can reach always has a token (issue: a
     loopback Ray with proxy.host=0.0.0.0 once served with none)."""
-    from rl_cluster.cluster import RunSecrets, proxy_binds_loopback
     from rl_cluster.config import RunConfig
+    from rl_cluster.credentials import RunSecrets, proxy_binds_loopback
 
     def binds_loopback(host, private_ray):
         return proxy_binds_loopback(RunConfig(run_name="t", proxy={"host": host}), private_ray)
@@ -79,8 +79,9 @@ def test_serve_generates_a_token_unless_the_proxy_binds_loopback():
 def test_the_drivers_secrets_go_to_the_actors_and_not_into_the_runtime_env(monkeypatch):
     """A runtime_env's env_vars are shown by the Ray dashboard and the state API: HF_TOKEN and
     WANDB_API_KEY travel in RunSecrets (constructor arguments) instead; the rest of the HF setup stays."""
-    from rl_cluster.cluster import RunSecrets, runtime_env
     from rl_cluster.config import RunConfig
+    from rl_cluster.connection import runtime_env
+    from rl_cluster.credentials import RunSecrets
 
     monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
     monkeypatch.setenv("WANDB_API_KEY", "wandb_secret_value")
