@@ -126,7 +126,7 @@ def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
 
 def scale(args: argparse.Namespace) -> int:
     """Set a running run's generator pool: 0 done, 1 no such run or not there in time, 2 N refused."""
-    from rl_cluster.pool import scale as scale_pool
+    from rl_cluster.scale import scale as scale_pool
 
     return scale_pool(args.run, args.replicas, args.auto, args.address, not args.no_wait, args.timeout)
 
