@@ -103,12 +103,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Serve the generators behind the proxy until SIGINT or SIGTERM (rl_cluster.run.serve)."""
+    """Serve the generators behind the proxy until SIGINT or SIGTERM (rl_cluster.serve)."""
     overrides = [*args.overrides, *([f"proxy.port={args.port}"] if args.port is not None else [])]
     config = load(args.config, overrides)
     import asyncio
 
-    from rl_cluster.run import serve as serve_run
+    from rl_cluster.serve import serve as serve_run
 
     asyncio.run(serve_run(config))
     return 0

@@ -1,7 +1,8 @@
-"""A run, start to end: what `jobs/train_grpo.py` and `jobs/serve.py` do once they parsed their arguments.
+"""A run, start to end: what `jobs/train_grpo.py` does once it parsed its arguments.
 
     train(config) -> summary      the whole training run; `exit_status(summary)` is the process's status
-    serve(config)                 the generators behind the proxy until SIGINT / SIGTERM
+
+(`jobs/serve.py`, the generators behind the proxy without training, is rl_cluster.serve.)
 
 A run ends in one of three ways, and writes `summary.json` in each: finished, stopped (SIGTERM from `ray
 job stop`, or Ctrl-C) or failed (an exception anywhere). The summary is written *before* the actors are
@@ -24,7 +25,7 @@ from collections.abc import Awaitable
 
 from rl_cluster.config import RunConfig
 from rl_cluster.core.summary import NEVER_DEDUPLICATED, exit_status, summarize, summary_table
-from rl_cluster.credentials import RunSecrets, proxy_binds_loopback, write_private_file
+from rl_cluster.credentials import RunSecrets
 from rl_cluster.errors import RunRefused
 
 # Read by Ray when it is imported (below, inside the functions): every progress line reaches the logs.
@@ -38,7 +39,7 @@ class RunStopped(Exception):
     """SIGTERM or SIGINT arrived: end the run, keep what it did."""
 
 
-def _on_signals(callback) -> None:
+def on_signals(callback) -> None:
     """Call `callback` on SIGINT or SIGTERM. After ray.init: it installs a SIGTERM handler of its own
     (sys.exit), which would skip every cleanup."""
     loop = asyncio.get_running_loop()
@@ -105,7 +106,7 @@ async def train(config: RunConfig, resume: bool = False) -> dict:
     lease.acquire()  # before the checks in _train: they are check-then-act, safe only under the lease
     loop, run = asyncio.get_running_loop(), asyncio.current_task()
     lease.start_renewing(lambda why: loop.call_soon_threadsafe(_cancel_once(run)))
-    _on_signals(_cancel_once(run))  # from here on a stop ends the run at its next await, summary.json first
+    on_signals(_cancel_once(run))  # from here on a stop ends the run at its next await, summary.json first
     try:
         return await _train(config, bucket, lease, resume)
     finally:
@@ -132,7 +133,7 @@ async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
     result = {"history": [], "syncs": [], "checkpoints": []}
     try:
         loopback, dashboard = connect(config)
-        _on_signals(_cancel_once(asyncio.current_task()))  # again: ray.init put its own SIGTERM handler in
+        on_signals(_cancel_once(asyncio.current_task()))  # again: ray.init put its own SIGTERM handler in
         if not loopback:  # a private local Ray declared the resources itself
             await check_placeable(config)  # RunRefused in seconds where no node can ever hold an actor
         secrets = RunSecrets.for_run(config)
@@ -363,55 +364,3 @@ def train_main(config: RunConfig, resume: bool = False) -> int:
             flush=True,
         )
     return code
-
-
-async def serve(config: RunConfig) -> None:
-    """The generators behind the proxy until SIGINT or SIGTERM; then every process it started stops."""
-    import ray
-
-    from rl_cluster.cluster import launch
-    from rl_cluster.connection import connect
-    from rl_cluster.pool import start_pool
-
-    stop = asyncio.Event()
-    loopback, dashboard = connect(config)
-    _on_signals(stop.set)
-    # A proxy others can reach always needs a token (every route but /health, /metrics); a generated one is
-    # written to a file. On loopback it may stay open to this machine.
-    secrets = RunSecrets.for_run(config, generate_token=not proxy_binds_loopback(config, loopback))
-    try:
-        # A signal during the ~30 s start cancels it; launch() shuts down what it started when cancelled.
-        launching = asyncio.create_task(launch(config, log_dir_for(config), secrets, loopback=loopback))
-        stopping = asyncio.create_task(stop.wait())
-        await asyncio.wait({launching, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if not launching.done():
-            launching.cancel()
-            await asyncio.gather(launching, return_exceptions=True)
-            return
-        stopping.cancel()
-        cluster = launching.result()
-        try:
-            cluster.pool = await start_pool(cluster)
-            print(f"proxy listening on {cluster.proxy_url}", flush=True)
-            if dashboard:
-                print(f"Ray dashboard: {dashboard}", flush=True)
-            if secrets.proxy_token and not config.proxy.auth_token:
-                path = write_token_file(config.run_name, secrets.proxy_token)
-                print(
-                    f"proxy token (every route but /health and /metrics) in {path}: send it as "
-                    f'-H "Authorization: Bearer $(cat {path})"',
-                    flush=True,
-                )
-            await stop.wait()
-            print("stopping: shutting down the generators and the proxy", flush=True)
-        finally:
-            await cluster.shutdown()
-    finally:
-        ray.shutdown()
-
-
-def write_token_file(run_name: str, token: str) -> str:
-    """A generated proxy token goes into a file only its owner can read, never onto the terminal."""
-    path = os.path.abspath(os.path.join(".cache", "tokens", run_name))
-    write_private_file(path, token + "\n")  # 0600 even where an older file had another mode
-    return path

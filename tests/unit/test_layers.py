@@ -25,7 +25,7 @@ FLOORS = [
     # 3: placing and sizing the actors of a run.
     "connection credentials cluster pool",
     # 4: a run start to end, and the commands that start one.
-    "run runs scale cli commands data.__main__ experience.__main__",
+    "run runs serve scale cli commands data.__main__ experience.__main__",
 ]
 
 

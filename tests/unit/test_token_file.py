@@ -46,7 +46,7 @@ def test_a_symlink_at_the_path_is_replaced_not_followed(tmp_path):
 
 
 def test_the_runs_token_file_replaces_a_world_readable_one(tmp_path, monkeypatch):
-    from rl_cluster.run import write_token_file
+    from rl_cluster.serve import write_token_file
 
     monkeypatch.chdir(tmp_path)
     old = tmp_path / ".cache" / "tokens" / "r1"
