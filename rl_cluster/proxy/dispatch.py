@@ -29,22 +29,35 @@ logger = logging.getLogger(__name__)
 
 class Dispatcher:
     """Routes generations over `pool` through `session` (the data session, set once the proxy has one),
-    and counts how: routing reasons, retries, streams broken mid-way."""
+    and counts how: routing reasons, retries (by the replica that failed and how), streams broken mid-way."""
 
     def __init__(self, config: ProxyConfig, pool: ReplicaPool):
         self.config = config
         self.pool = pool
         self.session: aiohttp.ClientSession | None = None
         self.route_reasons: Counter[str] = Counter()
-        self.retries = 0
+        # (the replica that failed, ReplicaFailed.cause) -> requests then sent to another replica
+        self.retried: Counter[tuple[str, str]] = Counter()
         self.streams_broken = 0
 
     def stats(self) -> dict:
         return {
             "routing": {reason: self.route_reasons[reason] for reason in ROUTE_REASONS},
             "retries": self.retries,
+            "retried": self.retried_by_replica(),
             "streams_broken": self.streams_broken,
         }
+
+    @property
+    def retries(self) -> int:
+        return self.retried.total()
+
+    def retried_by_replica(self) -> dict[str, dict[str, int]]:
+        """{replica that failed: {cause: requests retried elsewhere}}."""
+        by_replica: dict[str, dict[str, int]] = {}
+        for (replica_id, cause), count in self.retried.items():
+            by_replica.setdefault(replica_id, {})[cause] = count
+        return by_replica
 
     async def generate(
         self, request: web.Request, raw: bytes, body: dict, max_events: int | None = None
@@ -80,7 +93,7 @@ class Dispatcher:
             if decision is None:
                 return self._no_replica_answer(model, adapter, failure)
             if failure is not None:
-                self.retries += 1
+                self.retried[failure.replica_id, failure.cause] += 1
                 logger.warning("retrying on replica %s after: %s", decision.replica_id, failure)
             else:
                 self.route_reasons[decision.reason] += 1

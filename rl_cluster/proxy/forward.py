@@ -37,6 +37,8 @@ def data_timeout(pause_lease_s: float, max_model_len: int | None, read_timeout_s
 REPLICA_HEADER = "X-Proxy-Replica"
 # What a replica failure looks like from the data path's side.
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, ConnectionError)
+# How a replica failed a request the proxy then sent elsewhere (ReplicaFailed.cause; a metric's label).
+RETRY_CAUSES = ("connection", "timeout", "error_answer", "protocol")
 
 
 class ReplicaFailed(Exception):
@@ -56,6 +58,15 @@ class ReplicaFailed(Exception):
         self.answer = answer
         self.timed_out = timed_out  # it missed the read deadline: hung, treated as down without a probe
         self.misbehaved = misbehaved  # its answer broke the protocol: out of routing without a probe
+
+    @property
+    def cause(self) -> str:
+        """One of RETRY_CAUSES: no answer (refused, reset, cut short), none in time, a 5xx, or a broken one."""
+        if self.misbehaved:
+            return "protocol"
+        if self.timed_out:
+            return "timeout"
+        return "connection" if self.answer is None else "error_answer"
 
 
 # Checks that a body is one JSON value without building it (msgspec scans it in C).

@@ -55,8 +55,9 @@ METRICS = (
            _per_replica(lambda r: int(r["state"] == "active"))),
     Metric("rl_proxy_route", "counter", "Routing decisions by reason (affinity, spill, unmatched).",
            ("reason",), lambda s: {(k,): s["routing"][k] for k in ROUTE_REASONS}),
-    Metric("rl_proxy_retries", "counter", "Generations retried on another replica.", (),
-           lambda s: {(): s["retries"]}),
+    Metric("rl_proxy_retries", "counter", "Generations retried on another replica, by the replica that "
+           "failed them and how (connection, timeout, error_answer, protocol).", ("replica", "cause"),
+           lambda s: {(rid, cause): n for rid, causes in s["retried"].items() for cause, n in causes.items()}),
     Metric("rl_proxy_adapters_loaded", "gauge", "Adapter versions loaded per replica.", ("replica",),
            _per_replica(lambda r: len(r["adapters_loaded"]))),
     Metric("rl_proxy_adapter_loaded", "gauge", "1 for each adapter version loaded on a replica.",

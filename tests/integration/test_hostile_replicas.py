@@ -169,6 +169,7 @@ async def test_malformed_json_from_a_replica_never_reaches_the_client(vllm_serve
             assert all(json.loads(answer)["choices"] for _, answer, _ in answers)
             chosen_first = proxy.stats()["retries"]
             assert chosen_first >= 1  # the garbler was active when the first requests were routed
+            assert proxy.stats()["retried"] == {"garbler": {"protocol": chosen_first}}
 
 
 async def test_a_stream_without_end_is_cut_off_at_what_the_request_allows(vllm_servers):

@@ -114,6 +114,7 @@ async def test_unhealthy_replica_leaves_routing_and_catches_up(vllm_servers, ada
             await wait_until(lambda: proxy.stats()["replicas"]["f1"]["state"] == "unhealthy", timeout=10)
             stats = proxy.stats()
             assert stats["retries"] >= 1 and stats["replicas"]["f1"]["requests"] >= 1
+            assert set(stats["retried"]) == {"f1"} and set(stats["retried"]["f1"]) == {"error_answer"}  # 503s
             # While it is away, a new version is published on the replicas that are active.
             status, body = await post_json(
                 f"{url}/v1/load_lora_adapter", {"lora_name": second, "lora_path": str(adapter_dir)}
@@ -233,6 +234,7 @@ async def test_a_healthy_replica_that_hung_up_without_an_answer_gets_the_request
             status, body, replica = await post_routed(f"{url}/v1/completions", request)
             assert (status, replica) == (200, "r0"), body
             assert flaky.generations == 2 and proxy.stats()["retries"] == 1
+            assert proxy.stats()["retried"] == {"r0": {"connection": 1}}
             assert proxy.stats()["replicas"]["r0"]["state"] == "active"
 
             flaky.hang_ups = 2  # the resend breaks too: passed on, once, and the replica stays in routing
@@ -319,6 +321,7 @@ async def test_a_hung_replica_misses_its_deadlines_and_catches_up_when_it_answer
             assert [(status, replica) for status, _, replica in results] == [(200, "r0")] * 4, results
             stats = proxy.stats()
             assert stats["retries"] >= 1 and stats["replicas"]["r1"]["state"] == "unhealthy"
+            assert stats["retried"]["r1"]["timeout"] >= 1 and "r0" not in stats["retried"]
         await back_to_active(proxy, "r1")
         status, _, _ = await post_routed(
             f"{url}/v1/completions", {"model": second, "prompt": "2+2", "max_tokens": 2}

@@ -49,6 +49,7 @@ def stats(requests: int, affinity: int, state: str = "active", retries: int = 0,
         },
         "routing": {"affinity": affinity, "spill": 1, "unmatched": 0},
         "retries": retries,
+        "retried": {replica: {"connection": retries}} if retries else {},
         "streams_broken": 0,
         "adapters_routable": ["a"],
         "base_models": ["m"],
@@ -72,7 +73,7 @@ def test_page_shows_the_stats_snapshot():
     page = scrape(metrics)
     assert page[("rl_proxy_requests_total", (("replica", "r0"),))] == 4
     assert page[("rl_proxy_route_total", (("reason", "affinity"),))] == 2
-    assert page[("rl_proxy_retries_total", ())] == 3
+    assert page[("rl_proxy_retries_total", (("cause", "connection"), ("replica", "r0")))] == 3
     assert page[("rl_proxy_in_flight", (("replica", "r0"),))] == 2
     assert page[("rl_proxy_capacity", (("replica", "r0"),))] == 256
     assert page[("rl_proxy_adapter_loaded", (("adapter", "b"), ("replica", "r0")))] == 1
@@ -113,7 +114,7 @@ def test_ray_counters_advance_by_differences():
     assert requests.values == {(("replica", "r0"),): 8}
     assert routes.values[(("reason", "affinity"),)] == 3
     assert routes.values[(("reason", "spill"),)] == 1
-    assert metrics.by_name["rl_proxy_retries"].values == {(): 1}
+    assert metrics.by_name["rl_proxy_retries"].values == {(("cause", "connection"), ("replica", "r0")): 1}
     assert metrics.by_name["rl_proxy_in_flight"].values == {(("replica", "r0"),): 2}
     assert metrics.by_name["rl_proxy_adapters_routable"].values == {(): 1}
     # The replica was removed and registered again: its count restarts, and the counter keeps rising.
@@ -157,7 +158,7 @@ def test_real_ray_metric_classes_accept_our_definitions():
     metrics = RayMetrics()
     assert metrics.by_name["rl_proxy_route"].info["name"] == "rl_proxy_route"
     assert metrics.by_name["rl_proxy_route"].info["tag_keys"] == ("reason",)
-    assert metrics.by_name["rl_proxy_retries"].info["tag_keys"] == ()
+    assert metrics.by_name["rl_proxy_retries"].info["tag_keys"] == ("replica", "cause")
     assert metrics.broadcast.info["tag_keys"] == ("op",)
     assert metrics.broadcast.boundaries == list(LatencyHistogram.BUCKETS)
     assert {d.name for d in METRICS if d.ray} == set(metrics.by_name)
