@@ -37,8 +37,6 @@ def data_timeout(pause_lease_s: float, max_model_len: int | None, read_timeout_s
 REPLICA_HEADER = "X-Proxy-Replica"
 # What a replica failure looks like from the data path's side.
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, ConnectionError)
-# How a replica failed a request the proxy then sent elsewhere (ReplicaFailed.cause; a metric's label).
-RETRY_CAUSES = ("connection", "timeout", "error_answer", "protocol")
 
 
 class ReplicaFailed(Exception):
@@ -61,7 +59,8 @@ class ReplicaFailed(Exception):
 
     @property
     def cause(self) -> str:
-        """One of RETRY_CAUSES: no answer (refused, reset, cut short), none in time, a 5xx, or a broken one."""
+        """How it failed, one of rl_cluster.proxy.metrics.RETRY_CAUSES: no answer (refused, reset, cut short),
+        none in time, a 5xx, or an answer that broke the protocol."""
         if self.misbehaved:
             return "protocol"
         if self.timed_out:

@@ -22,6 +22,8 @@ from prometheus_client.core import Metric as Family
 from prometheus_client.registry import Collector
 
 ROUTE_REASONS = ("affinity", "spill", "unmatched")
+# How a replica failed a request the proxy then sent to another (ReplicaFailed.cause).
+RETRY_CAUSES = ("connection", "timeout", "error_answer", "protocol")
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # what generate_latest writes: the classic text format
 Samples = dict[tuple[str, ...], float]  # label values (in the metric's label order) -> value
 
@@ -56,7 +58,7 @@ METRICS = (
     Metric("rl_proxy_route", "counter", "Routing decisions by reason (affinity, spill, unmatched).",
            ("reason",), lambda s: {(k,): s["routing"][k] for k in ROUTE_REASONS}),
     Metric("rl_proxy_retries", "counter", "Generations retried on another replica, by the replica that "
-           "failed them and how (connection, timeout, error_answer, protocol).", ("replica", "cause"),
+           f"failed them and how ({', '.join(RETRY_CAUSES)}).", ("replica", "cause"),
            lambda s: {(rid, cause): n for rid, causes in s["retried"].items() for cause, n in causes.items()}),
     Metric("rl_proxy_adapters_loaded", "gauge", "Adapter versions loaded per replica.", ("replica",),
            _per_replica(lambda r: len(r["adapters_loaded"]))),

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from rl_cluster.proxy.metrics import BROADCAST_SECONDS, METRICS, LatencyHistogram, ProxyMetrics
+from rl_cluster.proxy.metrics import BROADCAST_SECONDS, METRICS, RETRY_CAUSES, LatencyHistogram, ProxyMetrics
 from rl_cluster.proxy.ray_metrics import RayMetrics
 
 
@@ -162,3 +162,18 @@ def test_real_ray_metric_classes_accept_our_definitions():
     assert metrics.broadcast.info["tag_keys"] == ("op",)
     assert metrics.broadcast.boundaries == list(LatencyHistogram.BUCKETS)
     assert {d.name for d in METRICS if d.ray} == set(metrics.by_name)
+
+
+def test_every_way_a_replica_fails_a_request_is_a_known_retry_cause():
+    """The label values of rl_proxy_retries come from ReplicaFailed.cause: one per way, and no other."""
+    from aiohttp import web
+
+    from rl_cluster.proxy.forward import ReplicaFailed
+
+    failures = [
+        ReplicaFailed("r0", "reset"),
+        ReplicaFailed("r0", "no data", timed_out=True),
+        ReplicaFailed("r0", "HTTP 503", web.Response(status=503)),
+        ReplicaFailed("r0", "malformed JSON", misbehaved=True),
+    ]
+    assert [f.cause for f in failures] == list(RETRY_CAUSES)
