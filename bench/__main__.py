@@ -21,6 +21,7 @@ from pathlib import Path
 from bench import (
     broadcast,
     capacity,
+    correction,
     handoff,
     overhead,
     pool_step,
@@ -55,6 +56,8 @@ class Plan:
     scale_routing_groups: int
     scale_routing_groups_in_flight: int
     pool_step_delays: tuple[float, ...]  # node-start delays the demand step is simulated with
+    correction_steps: int  # steps of each bf16 run of the correction comparison
+    correction_seeds: int  # seeds per method; 0 leaves the comparison out
 
 
 FULL = Plan(
@@ -63,7 +66,7 @@ FULL = Plan(
     capacity_upstreams=8, capacity_connections=64, capacity_seconds=5.0, capacity_many_upstreams=256,
     broadcast_sizes=(1, 8, 32, 128, 256), broadcast_versions=10,
     scale_routing_replicas=64, scale_routing_groups=192, scale_routing_groups_in_flight=16,
-    pool_step_delays=(30, 120, 300),
+    pool_step_delays=(30, 120, 300), correction_steps=40, correction_seeds=3,
 )  # fmt: skip
 QUICK = Plan(
     reps=1, routing_groups=4, groups_in_flight=2, max_tokens=16, overhead_requests=24, overhead_concurrency=4,
@@ -71,7 +74,7 @@ QUICK = Plan(
     capacity_upstreams=4, capacity_connections=16, capacity_seconds=1.5, capacity_many_upstreams=64,
     broadcast_sizes=(1, 8, 32), broadcast_versions=3,
     scale_routing_replicas=8, scale_routing_groups=12, scale_routing_groups_in_flight=4,
-    pool_step_delays=(30, 120),
+    pool_step_delays=(30, 120), correction_steps=6, correction_seeds=0,
 )  # fmt: skip
 BENCHMARKS = {  # run in this order, on the same two replicas
     "routing": routing.run,
@@ -83,6 +86,7 @@ BENCHMARKS = {  # run in this order, on the same two replicas
     "broadcast": broadcast.run,  # a fleet of stubs: the proxy alone
     "routing_at_scale": routing_at_scale.run,  # a fleet of stubs with a prefix-cache model
     "pool_step": pool_step.run,  # the real scaling policy, in simulated time
+    "correction": correction.run,  # bf16 replicas of its own; nine training runs (not in quick mode)
 }
 
 # A benchmark that measures several of the report's sections returns them by name.
@@ -123,7 +127,7 @@ async def run_all(plan: Plan, only, work: Path) -> dict:
         )
         await warm_up(servers, tokenizer, str(model_dir))
         for name, bench in BENCHMARKS.items():
-            if only and name not in only:
+            if (only and name not in only) or (name == "correction" and not plan.correction_seeds):
                 continue
             t0 = time.monotonic()
             print(f"== {name}", flush=True)

@@ -90,12 +90,14 @@ def machine() -> dict[str, str]:
 
 
 @contextlib.asynccontextmanager
-async def vllm_servers(model_dir: Path, count: int, log_dir: Path) -> AsyncIterator[list[VLLMServer]]:
+async def vllm_servers(model_dir: Path, count: int, log_dir: Path,
+                       dtype: str = "float32") -> AsyncIterator[list[VLLMServer]]:  # fmt: skip
     """`count` vLLM CPU servers on the tiny model, each pinned to its own core; always stopped on exit."""
     cores = os.cpu_count() or 1
     servers = [
         VLLMServer(
-            ServerSpec(model=str(model_dir), port=free_port(), cpu_core=i % cores), log_dir / f"vllm-r{i}.log"
+            ServerSpec(model=str(model_dir), port=free_port(), cpu_core=i % cores, dtype=dtype),
+            log_dir / f"vllm-{dtype}-r{i}.log",
         )
         for i in range(count)
     ]

@@ -138,6 +138,22 @@ def pool_step(r: dict, path: Path) -> Path:
     return _save(plt, fig, path)
 
 
+def correction(r: dict, path: Path) -> Path:
+    """Reward per step (mean over seeds) of each method, and the share of tokens each corrected."""
+    plt, fig, (a, b) = _figure(8.5)
+    for row in r["rows"]:
+        curves = [run["rewards"] for run in r["runs"] if run["method"] == row["method"]]
+        steps = min(len(c) for c in curves)
+        mean = [sum(c[i] or 0.0 for c in curves) / len(curves) for i in range(steps)]
+        a.plot(range(1, steps + 1), mean, label=row["method"])
+    a.set_xlabel("step", fontsize=8)
+    a.set_title(f"reward, mean of {r['config']['seeds']} seeds (bf16)", fontsize=9)
+    a.legend(fontsize=7)
+    _bars(b, [x["method"] for x in r["rows"]], [x["share_corrected"] for x in r["rows"]],
+          "share of tokens truncated or masked", "{:.2%}")  # fmt: skip
+    return _save(plt, fig, path)
+
+
 def draw_all(results: dict, plots_dir: Path) -> dict[str, Path]:
     drawers = {
         "routing": routing,
@@ -148,6 +164,7 @@ def draw_all(results: dict, plots_dir: Path) -> dict[str, Path]:
         "broadcast": broadcast,
         "routing_at_scale": routing_at_scale,
         "pool_step": pool_step,
+        "correction": correction,
     }
     return {
         key: draw(results[key], plots_dir / f"{key}.png")

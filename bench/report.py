@@ -310,6 +310,37 @@ def experience_section(r: dict) -> str:
     ])  # fmt: skip
 
 
+def correction_section(r: dict) -> str:
+    c = r["config"]
+
+    def reward(x):
+        return f"{num(x['reward_last_fifth_mean'], '.3f')} ({num(x['reward_last_fifth_min'], '.3f')} to " \
+               f"{num(x['reward_last_fifth_max'], '.3f')})"  # fmt: skip
+
+    def checks(x):
+        k = x["checks"]
+        return f"{k['match']} match, {k['too_close']} too close, {k['mismatch']} mismatch"
+
+    rows = [
+        [x["method"], num(x["reward_first_fifth_mean"], ".3f"), reward(x), num(x["ratio_mean"], ".4f"),
+         num(x["ratio_max"], ".2f"), pct(x["share_corrected"]), num(x["mean_staleness"], ".2f"), checks(x)]
+        for x in r["rows"]
+    ]  # fmt: skip
+    header = ["correction", "reward, first fifth", "reward, last fifth (min to max)", "pi_train/pi_vllm mean",
+              "max", "tokens corrected", "mean staleness", "served-vs-trained checks"]  # fmt: skip
+    return "\n\n".join([
+        "## 11. Off-policy correction in bf16",
+        f"`jobs/configs/cpu_demo.toml` in bfloat16 (trainer and two bf16 replicas), trainer.max_staleness="
+        f"{c['max_staleness']}, {c['steps']} steps, once per method and seed for {c['seeds']} seeds (the methods "
+        "of a seed back to back, their order rotating with the seed). `none`: TRL's clipped loss against "
+        "vLLM's logprobs; `tis`: truncated importance sampling (cap trainer.correction_cap = 2); `icepop`: "
+        "TRL's loss with tokens outside trainer.correction_band = [0.5, 5] masked. Rewards are at equal steps "
+        "(the mean over seeds, and the lowest and highest seed). pi_train/pi_vllm is per token, over every "
+        "step; *tokens corrected*: truncated (tis) or masked (icepop).",
+        table(header, rows),
+    ])  # fmt: skip
+
+
 def failure_section(title: str, error: str) -> str:
     return f"## {title}\n\nFAILED: {error}"
 
@@ -336,6 +367,7 @@ def write(out: Path, plots_dir: Path, results: dict, info: dict, command: str, q
         "broadcast": (broadcast_section, "8. Broadcast at scale"),
         "routing_at_scale": (routing_at_scale_section, "9. Routing at scale"),
         "pool_step": (pool_step_section, "10. The pool under a demand step"),
+        "correction": (correction_section, "11. Off-policy correction in bf16"),
     }
     parts = [
         "# Benchmarks",

@@ -356,11 +356,14 @@ def actor_restarts(actor, what: str) -> int | None:
 
 def train_main(config: RunConfig, resume: bool = False) -> int:
     summary = asyncio.run(train(config, resume=resume))  # RunRefused: rl_cluster.cli makes it exit 2
-    code = exit_status(summary, config.check.tolerance)
+    code = exit_status(summary)
     if code == 3:
+        checks = summary["served_check"]
         print(
-            f"FAILED: served-vs-trained logprob gap {summary['served_vs_trained_gap']} exceeds "
-            f"{config.check.tolerance}",
+            f"FAILED: {checks['mismatch']} of {checks['checks']} served-vs-trained checks found a replica that "
+            "does not serve the adapter the trainer trained (the banners above say which, and what it serves)"
+            if checks["checks"]
+            else "FAILED: no served-vs-trained check answered: nothing says the replicas serve what was trained",
             flush=True,
         )
     return code

@@ -7,6 +7,9 @@ import statistics
 from collections.abc import Iterable
 
 from rl_cluster.core.evaluation import eval_summary
+from rl_cluster.core.served_check import Verdict
+
+VERDICTS = tuple(v.value for v in Verdict)
 
 
 def step_record(step: int, logs: dict, policy_version: int, handoff_s: float | None) -> dict:
@@ -28,6 +31,11 @@ def step_record(step: int, logs: dict, policy_version: int, handoff_s: float | N
         # What the step trained: completions_per_step samples, in as many forwards as token_budget needs.
         "samples": logs.get("batch/samples_per_step"),
         "microbatches": logs.get("batch/microbatches_per_step"),
+        # The off-policy correction's view of the step (rl_cluster.trainer.correction): pi_train / pi_vllm
+        # per token, and the share of tokens it truncated or masked.
+        "ratio_mean": logs.get("correction/ratio_mean"),
+        "ratio_max": logs.get("correction/ratio_max"),
+        "share_corrected": logs.get("correction/share_corrected"),
     }
 
 
@@ -104,6 +112,9 @@ def summarize(
         "versions_loaded": versions_loaded(replicas, replica_versions or {}),
         "requests": {rid: r["requests"] for rid, r in replicas.items()},
         "served_vs_trained_gap": max(gaps) if gaps else None,
+        # The checks' verdicts (rl_cluster.core.served_check): counts, and the largest floor and distance.
+        "served_check": served_check_summary(syncs),
+        "correction": correction_summary(trainer_result.get("correction", "none"), history),
         "handoff_s_p50": statistics.median(handoffs) if handoffs else None,
         "handoff_s_max": max(handoffs) if handoffs else None,
         "dropped_stale_samples": int(sum(r["dropped_stale"] for r in history)),
@@ -143,14 +154,38 @@ def engine_prefix_cache(per_replica: dict[str, dict]) -> dict:
     return {"hit_rate": hits / queries if queries else None, "replicas": dict(per_replica)}
 
 
-def exit_status(summary: dict, tolerance: float) -> int:
-    """0: finished and served = trained; 3: finished but the served adapter is not the trained one (or
-    was never checked); 1: stopped or failed. (2 is every entry point's "refused before it started":
-    a config that does not load, data not prepared, a run name taken; rl_cluster.cli.)"""
+def served_check_summary(syncs: list[dict]) -> dict:
+    """{"checks", "match", "too_close", "mismatch": syncs by verdict; "floor_max", "distance_max": over
+    every replica checked (None before any check)}."""
+    checks = [s["check"] for s in syncs if "check" in s]
+    replicas = [r for c in checks for r in c["replicas"]]
+    out = {"checks": len(checks), **{v: sum(c["verdict"] == v for c in checks) for v in VERDICTS}}
+    for key in ("floor", "distance"):
+        out[f"{key}_max"] = max((r[key] for r in replicas), default=None)
+    return out
+
+
+def correction_summary(method: str, history: list[dict]) -> dict:
+    """The off-policy correction over the run: `method`; the steps' mean ratio pi_train / pi_vllm, its
+    largest, and the mean share of tokens truncated or masked (None before any step)."""
+    ratio_max = [r["ratio_max"] for r in history if r.get("ratio_max") is not None]
+    return {
+        "method": method,
+        "ratio_mean": finite_mean(r.get("ratio_mean") for r in history),
+        "ratio_max": max(ratio_max) if ratio_max else None,
+        "share_corrected": finite_mean(r.get("share_corrected") for r in history),
+    }
+
+
+def exit_status(summary: dict) -> int:
+    """0: finished and served = trained; 3: finished but a replica did not serve the trained adapter (or
+    no check answered); 1: stopped or failed. A check too close to tell is no failure. (2 is every entry
+    point's "refused before it started": a config that does not load, data not prepared, a run name
+    taken; rl_cluster.cli.)"""
     if summary["status"] != "finished":
         return 1
-    gap = summary["served_vs_trained_gap"]
-    return 0 if gap is not None and gap <= tolerance else 3
+    checks = summary["served_check"]
+    return 0 if checks["checks"] and not checks["mismatch"] else 3
 
 
 def _groups_line(groups: dict) -> str:
@@ -162,6 +197,22 @@ def _groups_line(groups: dict) -> str:
         f"{generated} generated, {groups['trained']} trained, {groups['dropped_stale']} dropped stale{share}, "
         f"{groups['failed']} failed"
     )
+
+
+def _correction_line(correction: dict) -> str:
+    if not correction:
+        return "-"
+    return (
+        f"{correction['method']}: pi_train/pi_vllm mean {_fmt(correction['ratio_mean'], '.4f')}, max "
+        f"{_fmt(correction['ratio_max'], '.3f')}; {_fmt(correction['share_corrected'], '.2%')} of tokens corrected"
+    )
+
+
+def _check_line(checks: dict, gap: float | None) -> str:
+    if not checks.get("checks"):
+        return "never checked"
+    counts = ", ".join(f"{checks[v]} {v.replace('_', ' ')}" for v in VERDICTS if checks[v])
+    return f"{counts}; gap {_fmt(gap, '.2e')}, rounding floor {_fmt(checks['floor_max'], '.2e')} (largest)"
 
 
 def _prefix_cache_line(cache: dict) -> str:
@@ -186,7 +237,10 @@ def summary_table(summary: dict) -> str:
         ("reward, first fifth", _fmt(summary["reward_first_fifth"], ".3f")),
         ("reward, last fifth", _fmt(summary["reward_last_fifth"], ".3f")),
         ("versions published", len(summary["versions_published"])),
-        ("served vs trained gap", _fmt(summary["served_vs_trained_gap"], ".2e")),
+        (
+            "served vs trained",
+            _check_line(summary.get("served_check") or {}, summary["served_vs_trained_gap"]),
+        ),
         (
             "handoff p50 / max",
             f"{_fmt(summary['handoff_s_p50'], '.3f')} / {_fmt(summary['handoff_s_max'], '.3f')} s",
@@ -194,6 +248,7 @@ def summary_table(summary: dict) -> str:
         ("dropped stale samples", summary["dropped_stale_samples"]),
         ("groups", _groups_line(summary.get("groups") or {})),
         ("mean staleness", _fmt(summary["mean_staleness"], ".2f")),
+        ("correction", _correction_line(summary.get("correction") or {})),
         ("trainer idle", _fmt(summary.get("trainer_idle"), ".1%") + " of step time waiting for rollouts"),
         ("routing", _routing_line(summary.get("routing") or {})),
         ("prefix cache hits", _prefix_cache_line(summary.get("prefix_cache") or {})),

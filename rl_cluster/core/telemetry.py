@@ -60,6 +60,8 @@ TRAINER_METRICS = (
               boundaries=STALENESS),
     MetricDef("rl_trainer_served_vs_trained_gap", "gauge",
               "Largest mean absolute logprob gap between a replica's serving and the trainer's weights."),
+    MetricDef("rl_trainer_served_vs_trained_floor", "gauge",
+              "The model dtype's rounding of the same logprobs, measured by the served-vs-trained check."),
     # Gauges of the run's totals, not counters: a resumed trainer starts from the checkpoint's totals.
     MetricDef("rl_trainer_groups", "gauge", "Rollout groups of the run so far by fate: generated, trained, "
               "dropped_stale, failed.", ("fate",)),

@@ -19,7 +19,7 @@ from rl_cluster.models import model_fingerprint, resolve_model
 from rl_cluster.nodes import node_placement
 from rl_cluster.telemetry import RayMetricSet
 from rl_cluster.trainer.build import build_trainer, evaluator, experience_writer, import_in_background
-from rl_cluster.trainer.check import check_sync
+from rl_cluster.trainer.check import ServedCheck
 from rl_cluster.trainer.checkpoints import KeptCheckpoints, newest_checkpoint, read_state, restart_fault
 from rl_cluster.trainer.once import Once
 from rl_cluster.trainer.proxy_client import ProxyClient
@@ -55,7 +55,7 @@ class Trainer:
         self._train_start: float | None = None
         self.resumed_from_step: int | None = None
         self._groups_before: dict = {}  # groups of the run before the checkpoint it resumed from
-        self._checked = False
+        self._served_check = ServedCheck(config)
         self.metrics = RayMetricSet(TRAINER_METRICS, config.run_name)
         self._wandb = None
         self._experience = None  # rl_cluster.experience.ExperienceWriter, made with the trainer
@@ -90,26 +90,21 @@ class Trainer:
 
     def _on_sync(self, version: int, name: str, timings: dict) -> None:
         record = {"version": version, "adapter": name, **timings}
-        check = self.config.check
-        # The first sync of every trainer process is checked (a restarted one may never reach a multiple).
-        if version % check.every_syncs == 0 or not self._checked:
-            self._checked = True
-            gap = check_sync(
-                self.trainer.accelerator.unwrap_model(self.trainer.model),
-                self.proxy.active_replica_urls(),
-                name,
-                self._check_prompt_ids,
-                check,
-                self.config.trainer.max_new_tokens,
-                api_key=self.replica_key,
-            )
-            if gap is not None:
-                record["served_vs_trained_gap"] = gap
+        if self._served_check.due(version):
+            record.update(
+                self._served_check.run(
+                    self.trainer.accelerator.unwrap_model(self.trainer.model), self.proxy.active_replica_urls(),
+                    name, self._check_prompt_ids, api_key=self.replica_key,
+                )
+            )  # fmt: skip
         self.syncs.append(record)
         self.last_sync = record
         self.metrics.observe("rl_trainer_handoff_seconds", timings["handoff_s"])
-        if "served_vs_trained_gap" in record:
+        if "check" in record:
             self.metrics.set("rl_trainer_served_vs_trained_gap", record["served_vs_trained_gap"])
+            self.metrics.set(
+                "rl_trainer_served_vs_trained_floor", max(r["floor"] for r in record["check"]["replicas"])
+            )
 
     def _on_sample(self, sample, trainer_version: int, trained: bool) -> None:
         """Every sample the trainer pulls, on the training thread: keep it cheap."""
@@ -257,6 +252,7 @@ class Trainer:
             "resumed_from_step": self.resumed_from_step,
             "faults": list(self.faults),
             "experience": self._experience.stats() if self._experience is not None else None,
+            "correction": self.config.trainer.correction,
         }
 
     def stop(self) -> dict:

@@ -131,6 +131,8 @@ def build_trainer(
         first_version=max(bucket.list_versions(c.run_name, c.run_name), default=0) + 1,
     )
     quiet_default_printer(trainer)
+    trainer.correction, trainer.correction_cap = c.trainer.correction, c.trainer.correction_cap
+    trainer.correction_band = c.trainer.correction_band
     return trainer
 
 

@@ -1,18 +1,35 @@
-"""Served = trained: are the logprobs vLLM serves under a version the ones the trainer computes?
+"""Served = trained: are the logprobs vLLM serves under a version the ones of the adapter the trainer trained?
 
 After a sync, each replica samples a few completions under the new adapter name with logprobs; the
 trainer recomputes the same tokens' logprobs with its model (whose adapter is exactly the one just
-published: no optimizer step runs inside a sync). In fp32 the two agree to ~1e-6. A large gap means a
-replica serves something other than what was trained (a stale adapter, a wrong base, a dtype or
-template mismatch) and every importance ratio of the run is wrong.
+published: no optimizer step runs inside a sync), several ways: as it trains; exactly (one precision up);
+in its dtype with the LoRA rounded as vLLM serves it (the rounding floor); and exactly under what a wrong
+replica might serve instead (the base model; the newest older version a check told apart).
+rl_cluster.core.served_check judges them. Every computation runs on the stored weights: the higher precision is a lossless upcast,
+undone by putting the original tensors back.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Sequence
+
 import requests
 import torch
 
+from rl_cluster.config import RunConfig
+from rl_cluster.core.served_check import (
+    ReplicaCheck,
+    Verdict,
+    judge,
+    mismatch_banner,
+    sync_verdict,
+    undecided_line,
+)
 from rl_cluster.trainer.http import HttpClient, describe, no_answer
+
+# Exact = one precision up from the model's dtype.
+_EXACT = {torch.bfloat16: torch.float32, torch.float16: torch.float32, torch.float32: torch.float64}
 
 
 def sample_from_replica(url: str, adapter: str, prompt_ids: list[int], n: int, max_tokens: int,
@@ -39,28 +56,97 @@ def sample_from_replica(url: str, adapter: str, prompt_ids: list[int], n: int, m
     ]
 
 
+def _is_lora(name: str) -> bool:
+    return ".lora_" in name
+
+
+def lora_state(model) -> dict[str, torch.Tensor]:
+    """A CPU copy of the model's LoRA weights (a few MB): what an older version's check compares with."""
+    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if _is_lora(n)}
+
+
+@contextlib.contextmanager
+def _swapped(model, replace) -> None:
+    """Every parameter and buffer `replace(name, tensor)` gives a new tensor for holds it for a moment;
+    the original tensors (not converted copies) come back, so nothing is lost to rounding."""
+    originals = []
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        new = replace(name, tensor.data)
+        if new is not None:
+            originals.append((tensor, tensor.data))
+            tensor.data = new
+    try:
+        yield
+    finally:
+        for tensor, data in originals:
+            tensor.data = data
+
+
+def computed_in(model, dtype: torch.dtype):
+    """The model's floating weights and buffers in `dtype` for a moment (an upcast is lossless)."""
+    return _swapped(model, lambda _, t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else None)
+
+
+def lora_rounded(model, dtype: torch.dtype):
+    """The LoRA weights rounded to `dtype`, as vLLM holds them (PEFT keeps them in fp32 beside a bf16
+    base, and casts the activations to them: with them in bf16 the LoRA branch computes in bf16 too)."""
+    return _swapped(model, lambda n, t: t.to(dtype) if _is_lora(n) and t.dtype != dtype else None)
+
+
+def lora_weights(model, weights: dict[str, torch.Tensor]):
+    """Another version's LoRA weights (`lora_state`) in place of the trained ones, for a moment."""
+    return _swapped(
+        model, lambda n, t: weights[n].to(t.device, t.dtype) if _is_lora(n) and n in weights else None
+    )
+
+
 @torch.no_grad()
-def trainer_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
+def trainer_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
     input_ids = torch.tensor([prompt_ids + completion_ids], device=model.device)
-    logits = model(input_ids=input_ids).logits[0, len(prompt_ids) - 1 : -1].float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    return logprobs.gather(-1, torch.tensor(completion_ids, device=model.device)[:, None])[:, 0].cpu()
+    logits = model(input_ids=input_ids).logits[0, len(prompt_ids) - 1 : -1]
+    logprobs = torch.log_softmax(logits.to(torch.float64), dim=-1)
+    return logprobs.gather(-1, torch.tensor(completion_ids, device=model.device)[:, None])[:, 0].tolist()
 
 
-def served_vs_trained_gap(model, replica_urls: list[str], adapter: str, prompt_ids: list[int], n: int,
-                          max_tokens: int, api_key: str | None = None) -> dict[str, float]:  # fmt: skip
-    """Mean absolute logprob difference per replica over n sampled completions; a replica that cannot be
-    reached (it died after it was listed) is left out."""
+def _logprobs_TOK(model, prompt_ids: list[int], samples: Sequence[dict]) -> list[float]:
+    return [lp for s in samples for lp in trainer_logprobs(model, prompt_ids, s["token_ids"])]
+
+
+def judge_samples(model, replica: str, prompt_ids: list[int], samples: Sequence[dict], dtype: torch.dtype,
+                  noise_multiple: float, older: tuple[str, dict] | None = None) -> ReplicaCheck:  # fmt: skip
+    """One replica's samples judged against the trained adapter, the base model and `older` (a version's
+    name and its `lora_state`)."""
+    exact = _EXACT[dtype]
+    trained = _logprobs_TOK(model, prompt_ids, samples)
+    with lora_rounded(model, dtype):
+        rounded = _logprobs_TOK(model, prompt_ids, samples)
+    with computed_in(model, exact):
+        exact_TOK = _logprobs_TOK(model, prompt_ids, samples)
+        with model.disable_adapter():
+            alternatives = {"base": _logprobs_TOK(model, prompt_ids, samples)}
+        if older is not None:
+            name, weights = older
+            with lora_weights(model, weights):
+                alternatives[name] = _logprobs_TOK(model, prompt_ids, samples)
+    served = [lp for s in samples for lp in s["logprobs"]]
+    return judge(replica, served, trained, exact_TOK, rounded, alternatives, noise_multiple)
+
+
+def check_replicas(model, replica_urls: list[str], adapter: str, prompt_ids: list[int], *, samples: int,
+                   max_tokens: int, dtype: torch.dtype, noise_multiple: float,
+                   older: tuple[str, dict] | None = None, api_key: str | None = None) -> list[ReplicaCheck]:  # fmt: skip
+    """Each replica's verdict on `adapter` (rl_cluster.core.served_check); a replica that cannot be reached
+    (it died after it was listed) is left out."""
     from rl_cluster.trainer.compat import plain_attention  # TRL: only in the trainer, not the driver
 
     was_training = model.training
     model.eval()
-    gaps = {}
+    checks = []
     try:
         with plain_attention(model):
             for url in replica_urls:
                 try:
-                    samples = sample_from_replica(url, adapter, prompt_ids, n, max_tokens, api_key)
+                    answer = sample_from_replica(url, adapter, prompt_ids, samples, max_tokens, api_key)
                 except requests.RequestException as e:
                     if not no_answer(e):
                         raise  # it answered, and refused: a replica without the adapter is no skip
@@ -70,29 +156,53 @@ def served_vs_trained_gap(model, replica_urls: list[str], adapter: str, prompt_i
                         f"served-vs-trained check: {url} did not answer ({describe(e)}); skipped", flush=True
                     )
                     continue
-                diffs = []
-                for sample in samples:
-                    ours = trainer_logprobs(model, prompt_ids, sample["token_ids"])
-                    diffs.append((ours - torch.tensor(sample["logprobs"])).abs())
-                gaps[url] = float(torch.cat(diffs).mean()) if diffs else float("nan")
+                if answer:
+                    checks.append(judge_samples(model, url, prompt_ids, answer, dtype, noise_multiple, older))
     finally:
         model.train(was_training)
-    return gaps
+    return checks
 
 
-def check_sync(model, replica_urls: list[str], adapter: str, prompt_ids: list[int], check, max_tokens: int,
-               api_key: str | None = None) -> float | None:  # fmt: skip
-    """The sync's served-vs-trained gap (the largest over the replicas asked; None when none answered),
-    with a banner in the log when it exceeds `check.tolerance` (`check`: the run's CheckConfig)."""
-    gaps = served_vs_trained_gap(model, replica_urls, adapter, prompt_ids, check.samples, max_tokens, api_key)
-    if not gaps:
-        return None
-    gap = max(gaps.values())
-    if not gap <= check.tolerance:
-        print(
-            "\n" + "!" * 100 + f"\n!!! SERVED != TRAINED: {adapter} logprob gap {gaps} exceeds "
-            f"{check.tolerance}. The replicas do not serve the adapter the trainer trained; importance "
-            "ratios of this run are wrong.\n" + "!" * 100 + "\n",
-            flush=True,
-        )
-    return gap
+class ServedCheck:
+    """The run's checks, one trainer process's share: which syncs are checked, and the older version each
+    check tells the new one from (the newest one a check told apart: the check's resolution)."""
+
+    def __init__(self, config: RunConfig):
+        self.config = config
+        self.told = False  # a check of this process could tell (match or mismatch)
+        self.older: tuple[str, dict] | None = None  # the last version checked: name, LoRA weights
+
+    def due(self, version: int) -> bool:
+        """Every `check.every_syncs`-th sync, and each sync until one check could tell: a restarted trainer
+        may never reach a multiple, and v1's adapter (B = 0) is the base model's exactly."""
+        return version % self.config.check.every_syncs == 0 or not self.told
+
+    def run(self, model, replica_urls: list[str], adapter: str, prompt_ids: list[int],
+            api_key: str | None = None) -> dict:  # fmt: skip
+        """Check `adapter` on every replica, say in the log what was found, and return the sync record's part
+        (`served_vs_trained_gap`, `check`): nothing when no replica answered."""
+        c = self.config
+        checks = check_replicas(
+            model, replica_urls, adapter, prompt_ids, samples=c.check.samples, max_tokens=c.trainer.max_new_tokens,
+            dtype=getattr(torch, c.model.dtype), noise_multiple=c.check.noise_multiple, older=self.older,
+            api_key=api_key,
+        )  # fmt: skip
+        verdict = sync_verdict(checks)
+        if verdict is None:
+            return {}
+        for replica in checks:
+            if replica.verdict is Verdict.MISMATCH:
+                bar = "!" * 100
+                print(f"\n{bar}\n!!! {mismatch_banner(adapter, replica, c.model.dtype)}\n{bar}\n", flush=True)
+            elif replica.verdict is Verdict.UNDECIDED:
+                print(undecided_line(adapter, replica), flush=True)
+        self.told = self.told or verdict is not Verdict.UNDECIDED
+        # The older version stays the one this check last told apart until a new version is told apart
+        # from it: compared with the version just before, every check of small steps in bf16 would be too
+        # close to tell.
+        if self.older is None or verdict is Verdict.MATCH:
+            self.older = (adapter.rsplit("-", 1)[-1], lora_state(model))
+        return {
+            "served_vs_trained_gap": max(r.gap for r in checks),
+            "check": {"verdict": verdict.value, "replicas": [r.as_dict() for r in checks]},
+        }

@@ -85,6 +85,12 @@ unpatched code fails on a CPU machine) and that the replacement is correct.
 20. AsyncGRPOTrainer adds two `StepIntervalCallback`s (the sync and the step metrics), by design, and
    transformers warns on the second that "there is already one", with the whole callback list: 8 lines
    of every run's console. `AdapterSyncTrainer.add_callback` adds TRL's interval callbacks without it.
+21. AsyncGRPOTrainer's loss only clips its ratio against vLLM's logprobs (TRL #6945, #7120 ask for
+   importance-sampling corrections; none in 1.16), and `compute_loss` computes the forward, the loss, its
+   metrics and the step's accounting in one private body. `captured_forward` hands TRL's compute_loss a
+   model that keeps the forward's outputs, so the off-policy correction (rl_cluster.trainer.correction)
+   computes its loss from the same forward while TRL's metrics and accounting stay TRL's. Retire when
+   TRL's loss takes a correction of its own.
 """
 
 from __future__ import annotations
@@ -408,6 +414,22 @@ def plain_attention(model):
         yield
     finally:
         inner.set_attn_implementation(previous)
+
+
+class _CapturedForward:
+    """The model, called as TRL's compute_loss calls it, keeping what the call returned (item 21)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.outputs = None
+
+    def __call__(self, *args, **kwargs):
+        self.outputs = self.model(*args, **kwargs)
+        return self.outputs
+
+
+def captured_forward(model) -> _CapturedForward:
+    return _CapturedForward(model)
 
 
 def pipeline_limits(window: AdmissionWindow, num_generations: int) -> dict:

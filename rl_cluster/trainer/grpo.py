@@ -39,10 +39,11 @@ from rl_cluster.trainer.compat import (
     pin_group_versions,
     without_lookahead,
 )
+from rl_cluster.trainer.correction import OffPolicyCorrection
 from rl_cluster.trainer.proxy_client import ProxyClient
 
 
-class BucketSyncTrainer(PackedStepsMixin, AdapterSyncTrainer):
+class BucketSyncTrainer(PackedStepsMixin, OffPolicyCorrection, AdapterSyncTrainer):
     def __init__(
         self,
         *args,

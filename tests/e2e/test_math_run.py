@@ -202,7 +202,8 @@ def test_eval_pass_at_1_rises_on_the_tiny_math_task(tiny_math_model_dir, tmp_pat
     # metrics.jsonl: the step records, and the evals among them.
     assert [r["step"] for r in records if r.get("kind") != "eval"] == list(range(1, STEPS + 1))
     assert [r["step"] for r in records if r.get("kind") == "eval"] == [0, 10, 20]
-    assert summary["steps"] == STEPS and summary["served_vs_trained_gap"] <= 1e-3
+    assert summary["steps"] == STEPS and summary["served_check"]["mismatch"] == 0
+    assert summary["served_check"]["match"] >= 1, summary["served_check"]
 
 
 # Sizes a 2-core CPU can run on the tiny model; everything else (task, prompts, grader, optimiser,
@@ -214,7 +215,7 @@ def test_eval_pass_at_1_rises_on_the_tiny_math_task(tiny_math_model_dir, tmp_pat
 # now trains its 16 (compat item 16): in one row under 1,024 tokens, in several under 256.
 BUDGETS = {"qwen25_math_1p5b": 1024, "deepseek_r1_distill_qwen_1p5b": 256}
 CPU_SIZED = [
-    "model.dtype=float32", "model.max_model_len=256", "trainer.max_new_tokens=24",
+    "model.max_model_len=256", "trainer.max_new_tokens=24",
     "trainer.completions_per_step=16", "trainer.num_cpus=1", "trainer.num_gpus=0", "generator.replicas=1",
     "generator.num_gpus=0", "generator.pin_cpu_cores=true", "generator.kv_cache_gb=1", "eval.max_problems=8",
     "eval.every_steps=2", "trainer.max_steps=2", "trainer.sync_every=2", "cluster.address=local",
@@ -255,4 +256,6 @@ def test_each_reference_recipe_runs_two_steps_on_the_tiny_model(recipe, tiny_mat
     assert summary["groups"]["trained"] == 2 * 2 and summary["groups"]["failed"] == 0, summary["groups"]
     assert [e["step"] for e in summary["eval"]["steps"]] == [0, 2]
     assert summary["eval"]["last"]["problems"] == 8 and summary["eval"]["last"]["failed"] == 0
-    assert summary["served_vs_trained_gap"] <= 1e-3
+    # In the recipe's own bf16: two steps at the recipe's learning rate move the adapter less than bf16
+    # rounding lets the check see, so a check may be too close to tell; none may fail.
+    assert summary["served_check"]["checks"] >= 1 and summary["served_check"]["mismatch"] == 0, summary

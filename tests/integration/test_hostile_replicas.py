@@ -201,3 +201,96 @@ async def test_a_stream_without_end_is_cut_off_at_what_the_request_allows(vllm_s
 async def served_base(url: str) -> list[str]:
     async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/models") as response:
         return [m["id"] for m in (await response.json())["data"] if not m.get("parent")]
+
+
+# -- served = trained: a replica that serves something else under the new name ----------------------------
+
+
+def _variants(tiny_model_dir, root):
+    """The adapter the trainer trained, and what a wrong replica might serve under its name: the base model
+    (B = 0), an older version (B halved: the measured separation tells it apart in bf16 too), and the
+    adapter on only some modules (the attention's, not the MLP's)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    trained = root / "trained"
+    save_lora(tiny_model_dir, trained, seed=3)
+    weights = load_file(trained / "adapter_model.safetensors")
+    variants = {
+        "base": {k: v * 0 if "lora_B" in k else v for k, v in weights.items()},
+        "older": {k: v * 0.5 if "lora_B" in k else v for k, v in weights.items()},
+        "partial": {k: v * 0 if "lora_B" in k and ".mlp." in k else v for k, v in weights.items()},
+    }
+    for name, tensors in variants.items():
+        shutil.copytree(trained, root / name)
+        save_file(tensors, root / name / "adapter_model.safetensors")
+    return trained, {name: root / name for name in variants}
+
+
+@pytest.fixture(scope="module")
+def bf16_server(tiny_model_dir, tmp_path_factory):
+    """A real vLLM CPU server on the tiny model in bfloat16 (this machine's CPUs have avx512_bf16)."""
+    from bench.common import free_port
+    from rl_cluster.generator.server import ServerSpec, VLLMServer
+
+    server = VLLMServer(
+        ServerSpec(model=str(tiny_model_dir), port=free_port(), dtype="bfloat16", cpu_core=0),
+        tmp_path_factory.mktemp("vllm-bf16") / "vllm.log",
+    )
+    try:
+        server.start()
+        asyncio.run(server.wait_healthy(300))
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_replica_serving_the_base_model_an_older_version_or_part_of_the_adapter_fails_the_check(
+    dtype, vllm_servers, bf16_server, tiny_model_dir, tmp_path
+):
+    """The served-vs-trained check on a real vLLM server: the trained adapter under the new name matches (bf16
+    rounding is no mismatch); the base model, an older version or an adapter on only some modules, each
+    under a new name of its own, is a mismatch, whose banner names what it looks like."""
+    import requests
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rl_cluster.core.served_check import Verdict, mismatch_banner
+    from rl_cluster.trainer.check import check_replicas, lora_state
+
+    url = (vllm_servers[0] if dtype == "float32" else bf16_server).url
+    trained, wrong = _variants(tiny_model_dir, tmp_path)
+    served = {f"hostile-{dtype}-v9": trained} | {f"hostile-{dtype}-{n}-v9": p for n, p in wrong.items()}
+    for name, path in served.items():
+        answer = requests.post(f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                               timeout=60)  # fmt: skip
+        assert answer.ok, answer.text
+    torch_dtype = getattr(torch, dtype)
+
+    def peft(path):
+        return PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch_dtype), path
+        )
+
+    model, older = peft(trained), ("v5", lora_state(peft(wrong["older"])))
+    prompt = AutoTokenizer.from_pretrained(tiny_model_dir)("12+34=")["input_ids"]
+    kw = {"samples": 4, "max_tokens": 16, "dtype": torch_dtype, "noise_multiple": 4.0, "older": older}
+    verdicts = {}
+    for name in served:
+        try:
+            (check,) = check_replicas(model, [url], name, prompt, **kw)
+        finally:
+            requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
+        verdicts[name.removeprefix(f"hostile-{dtype}-").removesuffix("-v9")] = check
+        print(
+            f"{dtype} {name}: {check.verdict.value}, distance {check.distance:.2e}, floor {check.floor:.1e}"
+        )
+    assert verdicts["v9"].verdict is Verdict.MATCH, verdicts["v9"]
+    assert all(verdicts[n].verdict is Verdict.MISMATCH for n in wrong), verdicts
+    assert "It matches the base model" in mismatch_banner("r-v9", verdicts["base"], dtype)
+    assert "It matches the v5" in mismatch_banner("r-v9", verdicts["older"], dtype)
+    if dtype == "bfloat16":  # the rounding the check has to see past: far above fp32's 1e-7
+        assert verdicts["v9"].gap > 1e-4 and verdicts["v9"].floor > 1e-4

@@ -650,3 +650,69 @@ def test_trl_adds_two_interval_callbacks_and_transformers_warns_unless_added_qui
         logger.removeHandler(handler)
     intervals = [c for c in ours.callback_handler.callbacks if isinstance(c, StepIntervalCallback)]
     assert len(intervals) == 2  # both still run: the sync and the step metrics
+
+
+def test_trls_async_loss_has_no_correction_and_a_captured_forward_gives_one_over_trls_own(tiny_model_dir):
+    """Item 21: AsyncGRPOConfig has no importance-sampling correction (TRL's synchronous GRPOConfig has
+    `vllm_importance_sampling_correction`); our loss over the forward TRL's compute_loss made is TRL's
+    under `none`, and under `tis` gets TRL's gradient on-policy and another one off it."""
+    from trl import GRPOConfig
+
+    from rl_cluster.trainer.correction import OffPolicyCorrection
+
+    assert "vllm_importance_sampling_correction" in GRPOConfig.__dataclass_fields__
+    assert not [f for f in AsyncGRPOConfig.__dataclass_fields__ if "importance" in f or "correction" in f]
+
+    class Corrected(OffPolicyCorrection, LoraSyncTrainer):
+        pass
+
+    compat.apply_trainer_workarounds()
+    trainer = Corrected(
+        model=str(tiny_model_dir), reward_funcs=[arithmetic_reward], args=grpo_args(**compat.training_precision_kwargs()),
+        train_dataset=Dataset.from_list(make_prompts(16, seed=0)),
+        peft_config=LoraConfig(r=1, lora_alpha=2, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )  # fmt: skip
+    trainer.current_gradient_accumulation_steps = 1  # set by transformers' training loop, not run here
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)  # an adapter that changes outputs: gradients reach lora_A too
+    samples = [
+        {**s, "input_ids": s["input_ids"] % 40 + 3, "advantage": s["advantage"]} for s in _rollout_samples(2)
+    ]
+    collate = async_grpo_trainer.DataCollatorForRollout(pad_token_id=0)
+    inputs = batching.collate_step(next(iter(batching.StepPacker(samples, STEP, BUDGET))), collate)
+    inputs = inputs[batching.MICRO_BATCHES][0]  # one group: TRL's collated micro-batch, as trained
+    model, selected = trainer.model, inputs["token_index"] >= 0
+
+    def loss_and_grads(compute):
+        model.zero_grad()
+        loss = compute()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for n, p in model.named_parameters() if p.requires_grad]
+
+    trl_loss, trl_grads = loss_and_grads(lambda: AsyncGRPOTrainer.compute_loss(trainer, model, inputs))
+    trainer.correction = "none"
+    none_loss, none_grads = loss_and_grads(lambda: trainer.compute_loss(model, inputs))
+    assert none_loss == trl_loss and all(
+        torch.equal(a, b) for a, b in zip(none_grads, trl_grads, strict=True)
+    )
+    assert (
+        trainer._metrics["train"]["correction/ratio_max"]
+        and trainer._metrics["train"]["correction/ratio_mean"]
+    )
+
+    forward = compat.captured_forward(model)
+    AsyncGRPOTrainer.compute_loss(trainer, forward, inputs)
+    logp = forward.outputs.log_probs.flatten()[inputs["token_index"][selected]].detach()
+    inputs["old_log_probs"][selected] = logp  # on-policy: every ratio 1
+    trainer.correction = "tis"
+    _, trl_grads = loss_and_grads(lambda: AsyncGRPOTrainer.compute_loss(trainer, model, inputs))
+    _, tis_grads = loss_and_grads(lambda: trainer.compute_loss(model, inputs))
+    for a, b in zip(tis_grads, trl_grads, strict=True):
+        torch.testing.assert_close(a, b)
+    inputs["old_log_probs"][selected] = logp - 1.5  # pi_train / pi_vllm = e^1.5: TRL clips, TIS caps at 2
+    _, trl_grads = loss_and_grads(lambda: AsyncGRPOTrainer.compute_loss(trainer, model, inputs))
+    _, tis_grads = loss_and_grads(lambda: trainer.compute_loss(model, inputs))
+    assert any(not torch.allclose(a, b) for a, b in zip(tis_grads, trl_grads, strict=True))
+    assert trainer._metrics["train"]["correction/share_corrected"][-1] == (float(selected.sum()),) * 2

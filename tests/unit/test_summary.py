@@ -1,4 +1,12 @@
-from rl_cluster.core.summary import exit_status, fifths, progress_line, step_record, summarize, summary_table
+from rl_cluster.core.summary import (
+    exit_status,
+    fifths,
+    progress_line,
+    served_check_summary,
+    step_record,
+    summarize,
+    summary_table,
+)
 
 
 def history(rewards):
@@ -29,7 +37,13 @@ def test_summary_has_the_documented_fields():
         "syncs": [
             {"version": 1, "adapter": "r-v1", "handoff_s": 0.2, "served_vs_trained_gap": 1e-7},
             {"version": 2, "adapter": "r-v2", "handoff_s": 0.4},
-            {"version": 3, "adapter": "r-v3", "handoff_s": 0.3, "served_vs_trained_gap": 3e-7},
+            {
+                "version": 3,
+                "adapter": "r-v3",
+                "handoff_s": 0.3,
+                "served_vs_trained_gap": 3e-7,
+                "check": {"verdict": "match", "replicas": [{"floor": 2e-7, "distance": 3e-7}]},
+            },
         ],
     }
     stats = {
@@ -45,7 +59,7 @@ def test_summary_has_the_documented_fields():
     assert s["versions_published"] == ["r-v1", "r-v2", "r-v3"]
     assert s["versions_loaded"]["g0"] == ["r-v1", "r-v2", "r-v3"]
     assert s["requests"] == {"g0": 10, "g1": 7}
-    assert s["served_vs_trained_gap"] == 3e-7
+    assert s["served_vs_trained_gap"] == 3e-7 and s["served_check"]["match"] == 1
     assert s["handoff_s_p50"] == 0.3
     assert s["dropped_stale_samples"] == 20
     assert s["routing"]["affinity"] == 5
@@ -54,6 +68,7 @@ def test_summary_has_the_documented_fields():
     assert "reward, last fifth     0.600" in table and "replica g1" in table
     assert "routing                5 affinity (62.5%), 1 spill (12.5%), 2 unmatched (25.0%)" in table
     assert "trainer idle           - of step time" in table
+    assert "served vs trained      1 match; gap 3.00e-07, rounding floor 2.00e-07 (largest)" in table
 
 
 def test_trainer_idle_is_the_share_of_step_time_spent_waiting_over_timed_steps():
@@ -89,14 +104,38 @@ def test_a_run_that_did_not_finish_is_summarised_with_what_it_did():
 
 
 def test_exit_status_tells_success_mismatch_and_failure_apart():
-    def summary(status="finished", gap=1e-7):
-        return {"status": status, "served_vs_trained_gap": gap}
+    def summary(status="finished", *verdicts):
+        syncs = [{"check": {"verdict": v, "replicas": [{"floor": 1e-3, "distance": 2e-3}]}} for v in verdicts]
+        return {"status": status, "served_check": served_check_summary(syncs)}
 
-    assert exit_status(summary(), tolerance=1e-3) == 0
-    assert exit_status(summary(gap=0.5), tolerance=1e-3) == 3  # served != trained (2: refused to start)
-    assert exit_status(summary(gap=None), tolerance=1e-3) == 3  # never checked: not a success
-    assert exit_status(summary("stopped"), tolerance=1e-3) == 1
-    assert exit_status(summary("failed", gap=None), tolerance=1e-3) == 1
+    assert exit_status(summary("finished", "match")) == 0
+    # Too close to tell is counted, never a failure; but some check must have answered.
+    assert exit_status(summary("finished", "too_close", "too_close")) == 0
+    assert (
+        exit_status(summary("finished", "match", "mismatch")) == 3
+    )  # served != trained (2: refused to start)
+    assert exit_status(summary("finished")) == 3  # never checked: not a success
+    assert exit_status(summary("stopped", "match")) == 1
+    assert exit_status(summary("failed")) == 1
+
+
+def test_the_check_summary_counts_verdicts_and_keeps_the_largest_floor():
+    syncs = [
+        {"version": 1},
+        {"check": {"verdict": "too_close", "replicas": [{"floor": 2e-3, "distance": 1e-3}]}},
+        {"check": {"verdict": "match", "replicas": [{"floor": 5e-3, "distance": 4e-3}, {"floor": 1e-3,
+                                                                                          "distance": 9e-3}]}},
+    ]  # fmt: skip
+    out = served_check_summary(syncs)
+    assert out == {
+        "checks": 2,
+        "match": 1,
+        "too_close": 1,
+        "mismatch": 0,
+        "floor_max": 5e-3,
+        "distance_max": 9e-3,
+    }
+    assert served_check_summary([])["floor_max"] is None
 
 
 def test_the_engines_prefix_cache_hit_rate_is_summed_over_replicas_and_printed():

@@ -121,15 +121,18 @@ def test_the_served_vs_trained_check_skips_a_replica_that_died_but_not_one_that_
     """A replica listed as active whose engine died meanwhile answers 500 (vLLM's API server outlives its
     engine core for a moment), or nothing: the check goes on without it (the chaos run's sync died of
     that 500). One that answered 404 (no such adapter) is a real mismatch: that fails the sync."""
-    from rl_cluster.trainer.check import served_vs_trained_gap
+    import torch
+
+    from rl_cluster.trainer.check import check_replicas
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         nobody = f"http://127.0.0.1:{s.getsockname()[1]}"  # closed again: nothing listens there
     _Stub.statuses = [500]
     model = _NoModel()
-    assert served_vs_trained_gap(model, [stub.rstrip("/"), nobody], "r-v1", [1, 2], 2, 4, api_key="k") == {}
+    kw = {"samples": 2, "max_tokens": 4, "dtype": torch.float32, "noise_multiple": 4.0, "api_key": "k"}
+    assert check_replicas(model, [stub.rstrip("/"), nobody], "r-v1", [1, 2], **kw) == []
     assert model.training and model.config._attn_implementation == "packed"  # left as it was
     _Stub.statuses = [404]
     with pytest.raises(requests.HTTPError, match="404"):
-        served_vs_trained_gap(model, [stub.rstrip("/")], "r-v1", [1, 2], 2, 4, api_key="k")
+        check_replicas(model, [stub.rstrip("/")], "r-v1", [1, 2], **kw)
