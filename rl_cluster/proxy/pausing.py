@@ -30,8 +30,8 @@ class HasUrl(Protocol):
 class PauseCoordinator:
     """`targets()` names the replicas a broadcast reaches; `session` is set once the proxy has one.
 
-    Every call to a replica is bounded by `deadline_s` (a pause that waits for requests, mode=wait, by the
-    admin session's timeout instead). A replica that gives no answer in time, or none at all, is down:
+    Every call to a replica is bounded by `deadline_s` (a pause that waits for requests, mode=wait, by
+    `lease_s`: it holds the lock, and so resume, the lease's expiry and every catch-up). A replica that gives no answer in time, or none at all, is down:
     `down(replica, reason)` takes it out of routing and it is left out (its catch-up matches it to the
     others' state when it answers again). A replica that answers a resume with an error stays on the
     `unconfirmed` list and is asked again every `retry_s` until it confirms, leaves, or a pause supersedes
@@ -158,7 +158,12 @@ class PauseCoordinator:
     ) -> dict[str, str]:
         """POST /pause or /resume to `replicas` at once; returns {replica: error} of failures. With
         `leave_out_down`, those that gave no answer (in time) are down: reported, and not failures."""
-        timeout = None if "mode=wait" in query else aiohttp.ClientTimeout(total=self.deadline_s)
+        # A pause that waits for in-flight requests (mode=wait) may take as long as they do, but no longer
+        # than the lease a pause gets: under the lock, an unbounded call would hold resume, the lease's
+        # expiry and every catch-up behind one replica that never answers.
+        waits = "mode=wait" in query
+        bound, bound_name = (self.lease_s, "pause_lease_s") if waits else (self.deadline_s, "load_deadline_s")
+        timeout = aiohttp.ClientTimeout(total=bound)
 
         async def one(replica: HasUrl) -> str | None:
             url = f"{replica.url}/{op}" + (f"?{query}" if query else "")
@@ -168,7 +173,11 @@ class PauseCoordinator:
                         return None
                     return f"HTTP {response.status}: {error_message(await response.text())}"
             except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
-                what = "no answer within load_deadline_s" if isinstance(e, TimeoutError) else "no answer"
+                what = (
+                    f"no answer within {bound_name}={bound:g}s"
+                    if isinstance(e, TimeoutError)
+                    else "no answer"
+                )
                 reason = f"{op}: {what} ({type(e).__name__}: {e})"
                 if not leave_out_down:
                     return reason

@@ -65,13 +65,15 @@ async def session():
         yield s
 
 
-def coordinator(session, replicas: list[Stub], down: dict[str, str]) -> PauseCoordinator:
+def coordinator(
+    session, replicas: list[Stub], down: dict[str, str], lease_s: float = 60.0
+) -> PauseCoordinator:
     def report(replica_id: str, reason: str) -> None:
         down[replica_id] = reason
         replicas[:] = [r for r in replicas if r.replica_id != replica_id]  # out of the reachable set
 
     c = PauseCoordinator(
-        60.0, lambda: list(replicas), LatencyHistogram(), deadline_s=0.3, retry_s=0.05, down=report
+        lease_s, lambda: list(replicas), LatencyHistogram(), deadline_s=0.3, retry_s=0.05, down=report
     )
     c.session = session
     return c
@@ -83,7 +85,7 @@ async def test_a_hung_replica_is_left_out_of_a_pause_and_reported_down(stubs, se
     c = coordinator(session, [ok, hung], down)
     assert await asyncio.wait_for(c.pause("mode=keep"), 5) == {}
     assert c.paused and ok.calls == ["pause"]
-    assert "no answer within load_deadline_s" in down["g1"]
+    assert "no answer within load_deadline_s=0.3s" in down["g1"]
     assert await c.resume() == {} and not c.paused
     await c.stop()
 
@@ -129,4 +131,17 @@ async def test_a_replica_joining_after_a_refused_resume_is_resumed_not_paused(st
     joining = await stubs("g1")
     await c.match(joining)
     assert joining.calls == ["resume"]
+    await c.stop()
+
+
+async def test_a_pause_that_waits_for_requests_is_bounded_by_the_lease_and_frees_the_lock(stubs, session):
+    """mode=wait waits for a replica's in-flight requests: one that never answers is down after pause_lease_s
+    (it had no bound, and held the lock: resume, the lease's expiry and every catch-up waited behind it)."""
+    ok, hung = await stubs("g0"), await stubs("g1", hang=True)
+    down: dict[str, str] = {}
+    c = coordinator(session, [ok, hung], down, lease_s=0.5)
+    assert await asyncio.wait_for(c.pause("mode=wait"), 5) == {}
+    assert "pause: no answer within pause_lease_s=0.5s" in down["g1"]
+    assert await asyncio.wait_for(c.resume(), 5) == {} and not c.paused  # the lock was let go
+    assert ok.calls == ["pause", "resume"]
     await c.stop()
