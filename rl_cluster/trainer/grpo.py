@@ -32,15 +32,14 @@ from rl_cluster.core.manifest import AdapterMeta, adapter_dir_name, split_adapte
 from rl_cluster.trainer.batching import PackedStepsMixin, packed_steps
 from rl_cluster.trainer.compat import (
     AdapterSyncTrainer,
-    TrainerPosition,
     bound_score_queue,
     is_step_log,
     name_run_adapters,
-    pin_group_versions,
     without_lookahead,
 )
 from rl_cluster.trainer.correction import OffPolicyCorrection
 from rl_cluster.trainer.proxy_client import ProxyClient
+from rl_cluster.trainer.rollout import TrainerPosition, pin_group_versions
 
 
 class BucketSyncTrainer(PackedStepsMixin, OffPolicyCorrection, AdapterSyncTrainer):

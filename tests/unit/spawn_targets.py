@@ -15,7 +15,7 @@ def orphan(watch: bool, ready) -> None:
     import time
 
     if watch:
-        from rl_cluster.trainer.compat import exit_with_parent
+        from rl_cluster.trainer.rollout import exit_with_parent
 
         exit_with_parent()
     ready.put("ready")

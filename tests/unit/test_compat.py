@@ -29,7 +29,7 @@ from rl_cluster.core.admission import AdmissionWindow
 from rl_cluster.core.rewards import arithmetic_reward
 from rl_cluster.proxy.server import ProxyServer
 from rl_cluster.tiny import make_prompts
-from rl_cluster.trainer import batching, compat
+from rl_cluster.trainer import batching, compat, rollout
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="shows what fails on a CPU-only machine")
 
@@ -316,8 +316,8 @@ def test_accelerate_pulls_the_next_batch_before_yielding_one():
 
 
 def _read_position(position, out):
-    out.put((position[compat.TrainerPosition.LIMIT], position[compat.TrainerPosition.PULLED]))
-    position.add(compat.TrainerPosition.SCORED, 5)
+    out.put((position[rollout.TrainerPosition.LIMIT], position[rollout.TrainerPosition.PULLED]))
+    position.add(rollout.TrainerPosition.SCORED, 5)
 
 
 def test_trls_pickle_check_refuses_shared_arrays_and_position_travels_to_a_spawned_child():
@@ -334,16 +334,16 @@ def test_trls_pickle_check_refuses_shared_arrays_and_position_travels_to_a_spawn
         worker.start()
     assert worker._process is None  # refused before spawning anything
 
-    position = compat.TrainerPosition(ctx, limit=96)
+    position = rollout.TrainerPosition(ctx, limit=96)
     pickle.dumps({"position": position})  # TRL's check
-    position.add(compat.TrainerPosition.PULLED, 7)
+    position.add(rollout.TrainerPosition.PULLED, 7)
     out = ctx.Queue()
     child = ctx.Process(target=_read_position, args=(position, out))
     child.start()
     child.join(60)
     assert child.exitcode == 0
     assert out.get(timeout=5) == (96, 7)
-    assert position[compat.TrainerPosition.SCORED] == 5
+    assert position[rollout.TrainerPosition.SCORED] == 5
 
 
 @pytest.mark.parametrize("cancel", [False, True])
@@ -609,8 +609,8 @@ async def test_trls_clients_send_no_token_and_the_authorized_ones_do(tiny_model_
         assert isinstance(trainer.vllm_client, compat.AuthorizedVLLMClient)
         assert trainer.vllm_client.server_url == url
         plain = rollout_loop(trainer)
-        compat.pin_group_versions(trainer, window=2, auth_token="s3cret")
-        pinned = rollout_loop(trainer, compat.GroupPinnedRolloutLoop)
+        rollout.pin_group_versions(trainer, window=2, auth_token="s3cret")
+        pinned = rollout_loop(trainer, rollout.GroupPinnedRolloutLoop)
         body = {"model": str(tiny_model_dir), "prompt": [1, 20], "max_tokens": 1}
         async with aiohttp.ClientSession() as session:
             for loop, status in ((plain, 401), (pinned, 503)):

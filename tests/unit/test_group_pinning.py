@@ -19,7 +19,7 @@ from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
 
 from rl_cluster.core.rewards import arithmetic_reward
 from rl_cluster.tiny import make_prompts
-from rl_cluster.trainer.compat import GroupPinnedRolloutLoop, TrainerPosition
+from rl_cluster.trainer.rollout import GroupPinnedRolloutLoop, TrainerPosition
 
 G = 4
 

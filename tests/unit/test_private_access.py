@@ -14,7 +14,13 @@ import importlib.util
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "rl_cluster"
-COMPAT = {PACKAGE / "trainer" / "compat.py", PACKAGE / "generator" / "vllm_compat.py"}
+# rollout.py is the rollout child's loop, a subclass of TRL's private `_AsyncRolloutLoop` whose overrides
+# are compat items (numbered in compat.py's list).
+COMPAT = {
+    PACKAGE / "trainer" / "compat.py",
+    PACKAGE / "trainer" / "rollout.py",
+    PACKAGE / "generator" / "vllm_compat.py",
+}
 # The upstream code the trainer subclasses, wraps or drives.
 UPSTREAM = ["trl.experimental.async_grpo", "transformers.trainer", "transformers.trainer_callback",
             "accelerate.data_loader"]  # fmt: skip
@@ -45,7 +51,14 @@ def _on_self(node: ast.Attribute) -> bool:
 
 
 UPSTREAM_PRIVATE = set().union(*(private_names(ast.parse(p.read_text())) for p in upstream_files()))
-WRAPPERS = ("trl", "transformers", "accelerate", "peft", "rl_cluster.trainer.compat")
+WRAPPERS = (
+    "trl",
+    "transformers",
+    "accelerate",
+    "peft",
+    "rl_cluster.trainer.compat",
+    "rl_cluster.trainer.rollout",
+)
 
 
 def touches(path: Path, root: Path = PACKAGE.parent) -> list[str]:
