@@ -36,6 +36,7 @@ def step_record(step: int, logs: dict, policy_version: int, handoff_s: float | N
         "ratio_mean": logs.get("correction/ratio_mean"),
         "ratio_max": logs.get("correction/ratio_max"),
         "share_corrected": logs.get("correction/share_corrected"),
+        "nonfinite_tokens": logs.get("correction/nonfinite_total") or 0.0,  # vLLM logprob -inf or NaN
     }
 
 
@@ -167,13 +168,15 @@ def served_check_summary(syncs: list[dict]) -> dict:
 
 def correction_summary(method: str, history: list[dict]) -> dict:
     """The off-policy correction over the run: `method`; the steps' mean ratio pi_train / pi_vllm, its
-    largest, and the mean share of tokens truncated or masked (None before any step)."""
+    largest, the mean share of tokens truncated or masked (None before any step), and the tokens whose
+    vLLM logprob was -inf or NaN (masked under tis and icepop)."""
     ratio_max = [r["ratio_max"] for r in history if r.get("ratio_max") is not None]
     return {
         "method": method,
         "ratio_mean": finite_mean(r.get("ratio_mean") for r in history),
         "ratio_max": max(ratio_max) if ratio_max else None,
         "share_corrected": finite_mean(r.get("share_corrected") for r in history),
+        "nonfinite_tokens": int(sum(r.get("nonfinite_tokens") or 0 for r in history)),
     }
 
 
@@ -205,6 +208,7 @@ def _correction_line(correction: dict) -> str:
     return (
         f"{correction['method']}: pi_train/pi_vllm mean {_fmt(correction['ratio_mean'], '.4f')}, max "
         f"{_fmt(correction['ratio_max'], '.3f')}; {_fmt(correction['share_corrected'], '.2%')} of tokens corrected"
+        + (f"; {n} with a non-finite vLLM logprob" if (n := correction.get("nonfinite_tokens")) else "")
     )
 
 

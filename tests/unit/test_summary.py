@@ -1,3 +1,5 @@
+import pytest
+
 from rl_cluster.core.summary import (
     exit_status,
     fifths,
@@ -165,3 +167,18 @@ def test_versions_loaded_joins_what_the_proxy_saw_and_what_each_generator_says()
     s = summarize({"history": history([0.5]), "syncs": []}, stats, 1.0, replica_versions=own)
     assert s["versions_loaded"] == {"g0": ["r-v1", "r-v2", "r-v3"], "g1": ["r-v1"]}
     assert "replica g0             3 requests, 3 versions loaded" in summary_table(s)
+
+
+def test_the_correction_summary_reads_the_steps_ratios_and_counts_nonfinite_tokens():
+    logs = [
+        {"correction/ratio_mean": 1.01, "correction/ratio_max": 1.4, "correction/share_corrected": 0.0},
+        {"correction/ratio_mean": 0.99, "correction/ratio_max": 3.5, "correction/share_corrected": 0.02,
+         "correction/nonfinite_total": 2.0},
+    ]  # fmt: skip
+    history = [step_record(i + 1, log, i, None) for i, log in enumerate(logs)]
+    out = summarize({"history": history, "syncs": [], "correction": "tis"}, {}, 1.0)["correction"]
+    assert out == {"method": "tis", "ratio_mean": pytest.approx(1.0), "ratio_max": 3.5,
+                   "share_corrected": pytest.approx(0.01), "nonfinite_tokens": 2}  # fmt: skip
+    assert "tis: pi_train/pi_vllm mean 1.0000, max 3.500; 1.00% of tokens corrected" in summary_table(
+        summarize({"history": history, "syncs": [], "correction": "tis"}, {}, 1.0)
+    )
