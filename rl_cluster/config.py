@@ -128,14 +128,15 @@ class TrainerConfig(Section):
     """Sampling temperature of rollouts."""
     max_staleness: int = Field(4, ge=0)
     """Largest policy-version lag a rollout may have when trained on; older ones are dropped."""
-    correction: Literal["none", "tis", "icepop"] = "tis"
+    correction: Literal["none", "tis", "icepop"] = "icepop"
     """Off-policy correction of the loss for what rounding (vLLM's kernels against the trainer's: ~1e-2 per
     token in bf16) and staleness leave between the policy that sampled a token and the one trained.
     `none`: TRL's loss (its ratio to vLLM's logprobs, clipped). `tis`: truncated importance sampling,
     each token's gradient weighted by min(pi_train / pi_vllm, correction_cap), without the clip.
     `icepop`: TRL's loss, with tokens whose pi_train / pi_vllm leaves correction_band masked out. Under
-    `tis` and `icepop`, tokens whose vLLM logprob is -inf or NaN are masked. BENCHMARKS.md compares the
-    three."""
+    `tis` and `icepop`, tokens whose vLLM logprob is -inf or NaN are masked. The default, `icepop`, had the
+    best reward of the three in bf16 at max_staleness 4 (BENCHMARKS.md section 11, within the seeds'
+    spread) and leaves TRL's loss as it is on every token inside the band (99.9 % there)."""
     correction_cap: float = 2.0
     """Largest importance weight under `tis`; above 1 (a cap at 1 truncates on-policy tokens too)."""
     correction_band: tuple[float, float] = (0.5, 5.0)
@@ -343,7 +344,12 @@ class BucketConfig(Section):
 
 class CheckConfig(Section):
     samples: int = Field(4, ge=1)
-    """Completions sampled from a replica after a sync to compare served and trained logprobs."""
+    """Completions sampled from a replica after a sync to compare served and trained logprobs (in one
+    request; more rounds of as many while they hold fewer than `min_tokens` tokens)."""
+    min_tokens: int = Field(64, ge=1)
+    """Completion tokens a replica's check is judged on, at least: rounds of `samples` completions are
+    asked for until they hold this many (at most 8 rounds). A mean over a few tokens is at the mercy of
+    one token that bf16 rounds badly (a check of 8 tokens once put a correct bf16 replica at 6.6 floors)."""
     every_syncs: int = Field(1, ge=1)
     """Run the served-vs-trained check after every N-th sync."""
     noise_multiple: float = Field(4.0, gt=1)

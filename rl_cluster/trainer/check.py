@@ -56,6 +56,20 @@ def sample_from_replica(url: str, adapter: str, prompt_ids: list[int], n: int, m
     ]
 
 
+MAX_ROUNDS = 8
+
+
+def _enough_samples(url: str, adapter: str, prompt_ids: list[int], n: int, max_tokens: int, min_tokens: int,
+                    api_key: str | None) -> list[dict]:  # fmt: skip
+    """Rounds of n completions from one replica until they hold `min_tokens` tokens (or MAX_ROUNDS)."""
+    found: list[dict] = []
+    for _ in range(MAX_ROUNDS):
+        found += sample_from_replica(url, adapter, prompt_ids, n, max_tokens, api_key)
+        if sum(len(s["token_ids"]) for s in found) >= min_tokens:
+            break
+    return found
+
+
 def _is_lora(name: str) -> bool:
     return ".lora_" in name
 
@@ -133,7 +147,7 @@ def judge_samples(model, replica: str, prompt_ids: list[int], samples: Sequence[
 
 
 def check_replicas(model, replica_urls: list[str], adapter: str, prompt_ids: list[int], *, samples: int,
-                   max_tokens: int, dtype: torch.dtype, noise_multiple: float,
+                   max_tokens: int, dtype: torch.dtype, noise_multiple: float, min_tokens: int = 1,
                    older: tuple[str, dict] | None = None, api_key: str | None = None) -> list[ReplicaCheck]:  # fmt: skip
     """Each replica's verdict on `adapter` (rl_cluster.core.served_check); a replica that cannot be reached
     (it died after it was listed) is left out."""
@@ -146,7 +160,9 @@ def check_replicas(model, replica_urls: list[str], adapter: str, prompt_ids: lis
         with plain_attention(model):
             for url in replica_urls:
                 try:
-                    answer = sample_from_replica(url, adapter, prompt_ids, samples, max_tokens, api_key)
+                    answer = _enough_samples(
+                        url, adapter, prompt_ids, samples, max_tokens, min_tokens, api_key
+                    )
                 except requests.RequestException as e:
                     if not no_answer(e):
                         raise  # it answered, and refused: a replica without the adapter is no skip
@@ -184,8 +200,8 @@ class ServedCheck:
         c = self.config
         checks = check_replicas(
             model, replica_urls, adapter, prompt_ids, samples=c.check.samples, max_tokens=c.trainer.max_new_tokens,
-            dtype=getattr(torch, c.model.dtype), noise_multiple=c.check.noise_multiple, older=self.older,
-            api_key=api_key,
+            dtype=getattr(torch, c.model.dtype), noise_multiple=c.check.noise_multiple,
+            min_tokens=c.check.min_tokens, older=self.older, api_key=api_key,
         )  # fmt: skip
         verdict = sync_verdict(checks)
         if verdict is None:

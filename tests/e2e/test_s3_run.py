@@ -101,7 +101,7 @@ def test_a_run_through_an_engine_kill_and_a_proxy_kill_on_an_s3_bucket(tmp_path,
             f"trainer.max_steps={STEPS}",
             "trainer.mode=sync",
             # bf16, as the GPU recipes train: the served-vs-trained check must see past the two kernels'
-            # rounding (~1e-2 per token here) and still pass, and the default correction (tis) trains.
+            # rounding (~1e-2 per token here) and still pass, and the default correction (icepop) trains.
             "model.dtype=bfloat16",
             "generator.replicas=1",
             "generator.restart_backoff_s=1",
@@ -159,7 +159,7 @@ def test_a_run_through_an_engine_kill_and_a_proxy_kill_on_an_s3_bucket(tmp_path,
     assert checks["match"] >= 1 and checks["mismatch"] == 0, checks
     assert summary["served_vs_trained_gap"] > 1e-4 and checks["floor_max"] > 1e-4, summary  # bf16 rounding
     correction = summary["correction"]
-    assert correction["method"] == "tis" and 0.5 < correction["ratio_mean"] < 2, correction
+    assert correction["method"] == "icepop" and 0.5 < correction["ratio_mean"] < 2, correction
     assert all(m["ratio_mean"] is not None and m["share_corrected"] is not None for m in metrics)
     # The experience store holds exactly the groups the summary counts, and agrees with metrics.jsonl.
     stored = {

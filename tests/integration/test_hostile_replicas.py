@@ -277,7 +277,8 @@ def test_a_replica_serving_the_base_model_an_older_version_or_part_of_the_adapte
 
     model, older = peft(trained), ("v5", lora_state(peft(wrong["older"])))
     prompt = AutoTokenizer.from_pretrained(tiny_model_dir)("12+34=")["input_ids"]
-    kw = {"samples": 4, "max_tokens": 16, "dtype": torch_dtype, "noise_multiple": 4.0, "older": older}
+    kw = {"samples": 4, "max_tokens": 16, "min_tokens": 64, "dtype": torch_dtype, "noise_multiple": 4.0,
+          "older": older}  # fmt: skip
     verdicts = {}
     for name in served:
         try:
