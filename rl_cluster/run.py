@@ -225,12 +225,19 @@ async def train_through_restarts(trainer, resume: bool) -> dict:
             await asyncio.sleep(ASK_AGAIN_S)
 
 
-def actor_state(actor) -> str | None:
-    """ALIVE, RESTARTING, DEAD, ... from Ray's state API; None when it cannot tell."""
+def _state_record(actor):
+    """Ray's state API record of `actor`, asked of the cluster this driver joined: with no address the API
+    refuses when the machine runs more than one Ray ("Found multiple active Ray instances")."""
+    import ray
     from ray.util.state import get_actor
 
+    return get_actor(actor._actor_id.hex(), address=ray.get_runtime_context().gcs_address)
+
+
+def actor_state(actor) -> str | None:
+    """ALIVE, RESTARTING, DEAD, ... from Ray's state API; None when it cannot tell."""
     try:
-        state = get_actor(actor._actor_id.hex())
+        state = _state_record(actor)
     except Exception:
         return None
     return None if state is None else str(state.state)
@@ -344,10 +351,8 @@ def actor_restarts(actor, what: str) -> int | None:
     cannot tell."""
     if actor is None:
         return 0
-    from ray.util.state import get_actor
-
     try:
-        state = get_actor(actor._actor_id.hex())
+        state = _state_record(actor)
     except Exception as e:
         print(f"  ({what} restarts unknown: {type(e).__name__}: {e})", flush=True)
         return None
