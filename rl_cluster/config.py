@@ -282,7 +282,8 @@ class ProxyConfig(Section):
     """Prefix blocks the routing table remembers (LRU)."""
     pause_lease_s: float = Field(120.0, gt=0)
     """A pause without a resume within this time is ended by the proxy (a dead trainer must not freeze
-    the cluster)."""
+    the cluster). A pause that waits for in-flight requests (`/pause?mode=wait`) waits at most this long
+    for each replica; one that has not answered by then is down (out of routing until it catches up)."""
     load_retry_interval_s: float = Field(2.0, gt=0)
     """Seconds between retries of an adapter load a replica could not find yet (a lagging mount)."""
     load_deadline_s: float = Field(60.0, gt=0)
