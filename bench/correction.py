@@ -16,7 +16,7 @@ import time
 from bench.async_vs_sync import DEMO_CONFIG, train_side_by_side
 from bench.common import vllm_servers
 from rl_cluster.config import load_config
-from rl_cluster.core.summary import correction_summary, fifths, served_check_summary
+from rl_cluster.core.summary import correction_summary, fifths, finite_mean, served_check_summary
 
 METHODS = ("none", "tis", "icepop")
 MAX_STALENESS = 4
@@ -83,7 +83,7 @@ def summarize(runs: dict[str, list[dict]], plan) -> dict:
             "reward_last_fifth_min": min(last, default=None),
             "reward_last_fifth_max": max(last, default=None),
             "reward_first_fifth_mean": statistics.fmean([r["reward_first_fifth"] for r in rs]) if rs else None,
-            "ratio_mean": statistics.fmean([r["ratio_mean"] for r in rs if r["ratio_mean"] is not None] or [0]),
+            "ratio_mean": finite_mean(r["ratio_mean"] for r in rs),
             "ratio_max": max((r["ratio_max"] for r in rs if r["ratio_max"] is not None), default=None),
             "share_corrected": statistics.fmean([r["share_corrected"] or 0.0 for r in rs]) if rs else None,
             "mean_staleness": statistics.fmean([r["mean_staleness"] or 0.0 for r in rs]) if rs else None,

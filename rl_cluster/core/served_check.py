@@ -54,6 +54,11 @@ def mean_abs_diff(a_TOK: Sequence[float], b_TOK: Sequence[float]) -> float:
     return sum(diffs) / len(diffs) if diffs else math.nan
 
 
+def _too_close(separations: dict[str, float], bound: float) -> list[str]:
+    """Alternatives within twice the bound of the trained adapter: a replica serving one would pass too."""
+    return [name for name, sep in separations.items() if not sep > 2 * bound]
+
+
 @dataclass(frozen=True)
 class ReplicaCheck:
     """One replica's samples judged. Distances are mean |difference| of logprobs per token (nats)."""
@@ -77,7 +82,7 @@ class ReplicaCheck:
     @property
     def too_close(self) -> list[str]:
         """Alternatives the check cannot tell from the trained adapter on these tokens."""
-        return [name for name, sep in self.separations.items() if not sep > 2 * self.bound]
+        return _too_close(self.separations, self.bound)
 
     def as_dict(self) -> dict:
         return {
@@ -111,10 +116,16 @@ def judge(
     distance = mean_abs_diff(served_TOK, exact_TOK)
     separations = {name: mean_abs_diff(alt, exact_TOK) for name, alt in alternatives.items()}
     served_from = {name: mean_abs_diff(served_TOK, alt) for name, alt in alternatives.items()}
-    check = ReplicaCheck(
+    if not distance <= bound:  # NaN (no finite token) is no match either
+        verdict = Verdict.MISMATCH
+    elif _too_close(separations, bound):
+        verdict = Verdict.UNDECIDED
+    else:
+        verdict = Verdict.MATCH
+    return ReplicaCheck(
         replica=replica,
         tokens=len(served_TOK),
-        verdict=Verdict.MATCH,
+        verdict=verdict,
         gap=mean_abs_diff(served_TOK, trained_TOK),
         distance=distance,
         floor=floor,
@@ -122,13 +133,6 @@ def judge(
         separations=separations,
         served_from=served_from,
     )
-    if not distance <= bound:  # NaN (no finite token) is no match either
-        verdict = Verdict.MISMATCH
-    elif check.too_close:
-        verdict = Verdict.UNDECIDED
-    else:
-        verdict = Verdict.MATCH
-    return ReplicaCheck(**{**check.__dict__, "verdict": verdict})
 
 
 def sync_verdict(checks: Sequence[ReplicaCheck]) -> Verdict | None:

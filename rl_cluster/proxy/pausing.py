@@ -31,7 +31,8 @@ class PauseCoordinator:
     """`targets()` names the replicas a broadcast reaches; `session` is set once the proxy has one.
 
     Every call to a replica is bounded by `deadline_s` (a pause that waits for requests, mode=wait, by
-    `lease_s`: it holds the lock, and so resume, the lease's expiry and every catch-up). A replica that gives no answer in time, or none at all, is down:
+    `lease_s`: it holds the lock, and so resume, the lease's expiry and every catch-up). A replica that
+    gives no answer in time, or none at all, is down:
     `down(replica, reason)` takes it out of routing and it is left out (its catch-up matches it to the
     others' state when it answers again). A replica that answers a resume with an error stays on the
     `unconfirmed` list and is asked again every `retry_s` until it confirms, leaves, or a pause supersedes

@@ -5,8 +5,8 @@ trainer recomputes the same tokens' logprobs with its model (whose adapter is ex
 published: no optimizer step runs inside a sync), several ways: as it trains; exactly (one precision up);
 in its dtype with the LoRA rounded as vLLM serves it (the rounding floor); and exactly under what a wrong
 replica might serve instead (the base model; the newest older version a check told apart).
-rl_cluster.core.served_check judges them. Every computation runs on the stored weights: the higher precision is a lossless upcast,
-undone by putting the original tensors back.
+rl_cluster.core.served_check judges them. Every computation runs on the stored weights: the higher
+precision is a lossless upcast, undone by putting the original tensors back.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import requests
 import torch
 
 from rl_cluster.config import RunConfig
+from rl_cluster.core.manifest import split_adapter_dir_name
 from rl_cluster.core.served_check import (
     ReplicaCheck,
     Verdict,
@@ -132,8 +133,10 @@ def judge_samples(model, replica: str, prompt_ids: list[int], samples: Sequence[
     name and its `lora_state`)."""
     exact = _EXACT[dtype]
     trained = _logprobs_TOK(model, prompt_ids, samples)
-    with lora_rounded(model, dtype):
-        rounded = _logprobs_TOK(model, prompt_ids, samples)
+    rounded = trained  # a LoRA already held in the model's dtype (fp32 runs) is as vLLM holds it
+    if any(_is_lora(n) and p.dtype != dtype for n, p in model.named_parameters()):
+        with lora_rounded(model, dtype):
+            rounded = _logprobs_TOK(model, prompt_ids, samples)
     with computed_in(model, exact):
         exact_TOK = _logprobs_TOK(model, prompt_ids, samples)
         with model.disable_adapter():
@@ -186,7 +189,7 @@ class ServedCheck:
     def __init__(self, config: RunConfig):
         self.config = config
         self.told = False  # a check of this process could tell (match or mismatch)
-        self.older: tuple[str, dict] | None = None  # the last version checked: name, LoRA weights
+        self.older: tuple[str, dict] | None = None  # the newest version told apart: name, LoRA weights
 
     def due(self, version: int) -> bool:
         """Every `check.every_syncs`-th sync, and each sync until one check could tell: a restarted trainer
@@ -217,7 +220,7 @@ class ServedCheck:
         # from it: compared with the version just before, every check of small steps in bf16 would be too
         # close to tell.
         if self.older is None or verdict is Verdict.MATCH:
-            self.older = (adapter.rsplit("-", 1)[-1], lora_state(model))
+            self.older = (f"v{split_adapter_dir_name(adapter)[1]}", lora_state(model))
         return {
             "served_vs_trained_gap": max(r.gap for r in checks),
             "check": {"verdict": verdict.value, "replicas": [r.as_dict() for r in checks]},

@@ -1,13 +1,13 @@
 """The served-vs-trained verdict on per-token logprobs: rounding is no mismatch in any dtype, a wrong
 adapter is one, and versions closer than the rounding lets the check see are 'too close to tell'."""
 
+import dataclasses
 import math
 import random
 
 import pytest
 
 from rl_cluster.core.served_check import (
-    ReplicaCheck,
     Verdict,
     judge,
     mean_abs_diff,
@@ -96,7 +96,7 @@ def test_checks_run_until_one_tells_and_the_older_reference_moves_only_when_told
     def fake_check_replicas(model, urls, adapter, prompt_ids, *, older, **kw):
         olders.append(older[0] if older else None)
         base = judge("g0", EXACT, EXACT, EXACT, noisy(EXACT, 1e-2, 1), {}, 4.0)
-        return [ReplicaCheck(**{**base.__dict__, "verdict": next(verdicts)})]
+        return [dataclasses.replace(base, verdict=next(verdicts))]
 
     monkeypatch.setattr(check_module, "check_replicas", fake_check_replicas)
     monkeypatch.setattr(check_module, "lora_state", lambda model: {})
