@@ -13,7 +13,7 @@ forward over all of them).
 
 The Trainer loop runs one optimizer step per `gradient_accumulation_steps` items and cannot take a
 number of micro-batches that varies per step, so the loader yields one item per step,
-`{"micro_batches": [...]}`, and `PackedStepsMixin.training_step` runs its rows.
+`{"micro_batches": [...]}`, and the trainer's `training_step` runs its rows (`train_rows`).
 """
 
 from __future__ import annotations
@@ -136,32 +136,24 @@ def packed_steps(prepared, accelerator, samples_per_step: int, token_budget: int
     return _PackedSteps(packer, base.collate_fn, accelerator.device)
 
 
-class PackedStepsMixin:
-    """Runs the `{"micro_batches": [...]}` items of `packed_steps` as one optimizer step each (before
-    AsyncGRPOTrainer in the bases). Other items go to TRL unchanged."""
+def step_rows(inputs) -> list[dict[str, Any]] | None:
+    """The micro-batches of a `packed_steps` item, None for any other item (TRL's own)."""
+    return inputs.get(MICRO_BATCHES) if isinstance(inputs, dict) else None
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        micro_batches = inputs.get(MICRO_BATCHES) if isinstance(inputs, dict) else None
-        if micro_batches is None:
-            return super().training_step(model, inputs, num_items_in_batch)
-        # One trainer process (packed_steps refuses more): no gradient reduction to hold back between rows.
-        total = 0
-        for batch in micro_batches:  # a loop, not a comprehension: zero-argument super()
-            total = total + super().training_step(model, batch, num_items_in_batch)
-        return total
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if STEP_TOKENS in inputs:
-            # TRL divides a micro-batch's summed token losses by its own trained tokens; over the step's
-            # tokens instead, the rows' gradients add up to the step's token mean.
-            loss = loss * inputs["global_n_tokens"][0] / inputs[STEP_TOKENS][0].clamp(min=1.0)
+def train_rows(training_step, model, rows: list[dict[str, Any]], num_items_in_batch=None):
+    """One step's rows, each one forward and backward through `training_step` (TRL's), their gradients
+    accumulated into the step's one optimizer update; the summed loss."""
+    # One trainer process (packed_steps refuses more): no gradient reduction to hold back between rows.
+    total = 0
+    for batch in rows:
+        total = total + training_step(model, batch, num_items_in_batch)
+    return total
+
+
+def over_step_tokens(loss, inputs):
+    """A row's loss as TRL normalises it (over the row's own trained tokens), normalised over the step's
+    tokens instead: the rows' gradients add up to the step's token mean. Other items pass unchanged."""
+    if STEP_TOKENS not in inputs:
         return loss
-
-    def floating_point_ops(self, inputs) -> int:
-        if isinstance(inputs, dict) and MICRO_BATCHES in inputs:
-            flops = 0
-            for batch in inputs[MICRO_BATCHES]:  # not a generator expression: zero-argument super()
-                flops += super().floating_point_ops(batch)
-            return flops
-        return super().floating_point_ops(inputs)
+    return loss * inputs["global_n_tokens"][0] / inputs[STEP_TOKENS][0].clamp(min=1.0)

@@ -100,8 +100,10 @@ def build_trainer(
     a step once `stopping` is set."""
     from peft import LoraConfig
 
+    from rl_cluster.trainer.callbacks import CheckpointPublisher, StepReporter, StopWhenAsked
     from rl_cluster.trainer.compat import quiet_default_printer
-    from rl_cluster.trainer.grpo import BucketSyncTrainer, CheckpointPublisher, StepReporter, StopWhenAsked
+    from rl_cluster.trainer.correction import OffPolicyCorrection
+    from rl_cluster.trainer.grpo import BucketSyncTrainer
 
     c = config
     admission = admission_window(c)
@@ -128,11 +130,12 @@ def build_trainer(
         on_sync=on_sync,
         on_sample=on_sample,
         admission=admission,
+        correction=OffPolicyCorrection(
+            c.trainer.correction, c.trainer.correction_cap, c.trainer.correction_band
+        ),
         first_version=max(bucket.list_versions(c.run_name, c.run_name), default=0) + 1,
     )
     quiet_default_printer(trainer)
-    trainer.correction, trainer.correction_cap = c.trainer.correction, c.trainer.correction_cap
-    trainer.correction_band = c.trainer.correction_band
     return trainer
 
 

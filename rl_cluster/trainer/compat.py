@@ -78,9 +78,10 @@ rl_cluster/trainer/batching.py; the rest are here.
    final checkpoint, or a trainer Ray restarted then). `train_to_max_steps` trains nothing in that case.
 18. AsyncGRPOTrainer's adapter sync has no hook: it writes into its own directory and loads from there
    (`_sync_weight_lora`, private), and what a replacement needs is private too (`_lora_sync`,
-   `_lora_name`, `_adapter_name`, `_trained_groups`, the rollout worker's `_mp_ctx`).
-   `AdapterSyncTrainer` routes the sync to `sync_adapter` and names those attributes publicly, so the
-   rest of the package touches no private attribute of TRL's (tests/unit/test_layers.py checks it).
+   `_lora_name`, `_adapter_name`, `_trained_groups`, the rollout worker's `_mp_ctx`, the step's
+   `_metrics`). `AdapterSyncTrainer` routes the sync to `sync_adapter` and names those attributes
+   publicly (`train_metrics` the metrics, for any TRL trainer), so the rest of the package touches no
+   private attribute of TRL's (tests/unit/test_private_access.py checks it).
 19. TRL's clients of the server send no Authorization header: the VLLMClient that AsyncGRPOTrainer's
    `__init__` makes and probes at once (`/server_info`, `/v1/models`), and the rollout loop's generation
    posts (`_post`, in the spawned child). The proxy demands the run's token on every route but /health and
@@ -95,6 +96,20 @@ rl_cluster/trainer/batching.py; the rest are here.
    model that keeps the forward's outputs, so the off-policy correction (rl_cluster.trainer.correction)
    computes its loss from the same forward while TRL's metrics and accounting stay TRL's. Retire when
    TRL's loss takes a correction of its own.
+
+What retires each item (searched upstream trackers, 2026-12; "none filed" means no upstream issue was
+found, and the item goes when a release changes the behaviour its test shows):
+- 1: TRL's packing taking a local attention (AsyncGRPO is flash-attention only since TRL #5854); none
+  filed for CPU. 2: TRL guarding `torch.cuda` in `get_peak_flops_per_device`; none filed.
+- 3, 4, 5, 8, 9, 20: AsyncGRPOConfig options for precision on CPU, the adapter name, the score queue,
+  and TRL's printer and interval callbacks; none filed.
+- 6, 10, 12, 13, 14, 15, 19: the rollout loop pinning a group's version, an admission hook, a spawn check
+  that allows shared arrays, a child that follows its parent, finish reasons for rewards and an auth
+  header; none filed (TRL's AsyncGRPO is `experimental` and changes every release).
+- 11, 16: accelerate's dispatcher without read-ahead and TRL's batcher closing a step at a sample count;
+  none filed (accelerate #2162 discusses the dispatcher's design).
+- 17: transformers #26413 (resume with a dataset without length; the PR #33544 is open).
+- 18: a public sync hook in AsyncGRPOTrainer; none filed. 21: TRL #6945, #7120.
 """
 
 from __future__ import annotations
@@ -248,6 +263,12 @@ class _CapturedForward:
 
 def captured_forward(model) -> _CapturedForward:
     return _CapturedForward(model)
+
+
+def train_metrics(trainer) -> dict[str, list]:
+    """TRL's training metrics of the step under way (private `_metrics["train"]`, item 18): what is
+    appended here is reduced and logged with TRL's own at the step's end."""
+    return trainer._metrics["train"]
 
 
 def pipeline_limits(window: AdmissionWindow, num_generations: int) -> dict:

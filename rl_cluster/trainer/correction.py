@@ -17,9 +17,11 @@ masked and counted under every method but `none`, whose loss stays TRL's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from rl_cluster.trainer.compat import captured_forward
+from rl_cluster.trainer.compat import train_metrics
 
 METHODS = ("none", "tis", "icepop")
 
@@ -66,51 +68,52 @@ def corrected_loss_TOK(logp_TOK: torch.Tensor, behaviour_TOK: torch.Tensor, adva
     return loss_TOK, stats
 
 
+@dataclass(frozen=True)
 class OffPolicyCorrection:
-    """TRL's compute_loss with `trainer.correction` applied (before AsyncGRPOTrainer in the bases). TRL
-    computes its loss and every metric of its own on the true ratio; under `tis` and `icepop` the loss
-    returned is ours, over the same forward (compat item 21). Set `correction`, `correction_cap` and
-    `correction_band` after __init__."""
+    """`trainer.correction` over TRL's compute_loss: TRL computes its loss and every metric of its own on
+    the true ratio; under `tis` and `icepop` the loss returned is ours, over the same forward (compat item
+    21). The step's statistics go beside TRL's metrics under `correction/`."""
 
-    correction = "none"
-    correction_cap = 2.0
-    correction_band = (0.5, 5.0)
+    method: str = "none"
+    cap: float = 2.0
+    band: tuple[float, float] = (0.5, 5.0)
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        forward = captured_forward(model)
-        loss = super().compute_loss(forward, inputs, return_outputs, num_items_in_batch)
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"unknown correction {self.method!r}: one of {', '.join(METHODS)}")
+
+    def loss(self, trainer, outputs, inputs, trl_loss: torch.Tensor) -> torch.Tensor:
+        """The loss to train on: TRL's (`trl_loss`, from the forward that gave `outputs`) under `none`,
+        ours otherwise, normalised as TRL normalises its own."""
         selected = inputs["token_index"] >= 0
-        logp_TOK = forward.outputs.log_probs.flatten()[inputs["token_index"][selected]]
+        logp_TOK = outputs.log_probs.flatten()[inputs["token_index"][selected]]
         ours_TOK, stats = corrected_loss_TOK(
             logp_TOK, inputs["old_log_probs"][selected], inputs["advantages"][selected],
-            method=self.correction, cap=self.correction_cap, band=self.correction_band,
-            eps_low=self.epsilon_low, eps_high=self.epsilon_high,
+            method=self.method, cap=self.cap, band=self.band,
+            eps_low=trainer.epsilon_low, eps_high=trainer.epsilon_high,
         )  # fmt: skip
-        self._log_correction(stats)
-        if self.correction == "none":
-            return loss
+        _log_stats(trainer, stats)
+        if self.method == "none":
+            return trl_loss
         # TRL's normalisation: by this rank's share of the batch's tokens, and by gradient accumulation.
-        tokens_per_rank = (inputs["global_n_tokens"][0] / self.accelerator.num_processes).clamp(min=1.0)
-        ours = ours_TOK.sum() / tokens_per_rank.to(torch.float32) / self.current_gradient_accumulation_steps
-        if self.aux_loss_enabled:
-            ours = (
-                ours
-                + self.router_aux_loss_coef
-                * forward.outputs.aux_loss
-                / self.current_gradient_accumulation_steps
-            )
+        accumulation = trainer.current_gradient_accumulation_steps
+        tokens_per_rank = (inputs["global_n_tokens"][0] / trainer.accelerator.num_processes).clamp(min=1.0)
+        ours = ours_TOK.sum() / tokens_per_rank.to(torch.float32) / accumulation
+        if trainer.aux_loss_enabled:
+            ours = ours + trainer.router_aux_loss_coef * outputs.aux_loss / accumulation
         return ours
 
-    @torch.no_grad()
-    def _log_correction(self, stats: dict[str, torch.Tensor]) -> None:
-        sums = torch.stack([stats[k] for k in ("ratio_sum", "finite", "corrected", "nonfinite", "tokens")])
-        ratio_sum, finite, corrected, nonfinite, tokens = self.accelerator.reduce(
-            sums, reduction="sum"
-        ).tolist()
-        ratio_max = self.accelerator.gather(stats["ratio_max"].reshape(1)).max().item()
-        metrics = self._metrics["train"]
-        # TRL's reductions by shape and name: pairs are rates, `max` an extremum, `total` a counter.
-        metrics["correction/ratio_mean"].append((ratio_sum, finite))
-        metrics["correction/ratio_max"].append(ratio_max)
-        metrics["correction/share_corrected"].append((corrected, tokens))
-        metrics["correction/nonfinite_total"].append(nonfinite)
+
+@torch.no_grad()
+def _log_stats(trainer, stats: dict[str, torch.Tensor]) -> None:
+    sums = torch.stack([stats[k] for k in ("ratio_sum", "finite", "corrected", "nonfinite", "tokens")])
+    ratio_sum, finite, corrected, nonfinite, tokens = trainer.accelerator.reduce(
+        sums, reduction="sum"
+    ).tolist()
+    ratio_max = trainer.accelerator.gather(stats["ratio_max"].reshape(1)).max().item()
+    metrics = train_metrics(trainer)
+    # TRL's reductions by shape and name: pairs are rates, `max` an extremum, `total` a counter.
+    metrics["correction/ratio_mean"].append((ratio_sum, finite))
+    metrics["correction/ratio_max"].append(ratio_max)
+    metrics["correction/share_corrected"].append((corrected, tokens))
+    metrics["correction/nonfinite_total"].append(nonfinite)

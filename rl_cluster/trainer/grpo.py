@@ -19,21 +19,19 @@ from __future__ import annotations
 
 import os
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 
-from transformers import TrainerCallback
 from trl.experimental.async_grpo.async_grpo_trainer import save_lora_adapter
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.core.admission import AdmissionWindow
 from rl_cluster.core.manifest import AdapterMeta, adapter_dir_name, split_adapter_dir_name
-from rl_cluster.trainer.batching import PackedStepsMixin, packed_steps
+from rl_cluster.trainer.batching import over_step_tokens, packed_steps, step_rows, train_rows
 from rl_cluster.trainer.compat import (
     AdapterSyncTrainer,
     bound_score_queue,
-    is_step_log,
+    captured_forward,
     name_run_adapters,
     without_lookahead,
 )
@@ -42,7 +40,11 @@ from rl_cluster.trainer.proxy_client import ProxyClient
 from rl_cluster.trainer.rollout import TrainerPosition, pin_group_versions
 
 
-class BucketSyncTrainer(PackedStepsMixin, OffPolicyCorrection, AdapterSyncTrainer):
+class BucketSyncTrainer(AdapterSyncTrainer):
+    """AsyncGRPOTrainer (its workarounds in compat's AdapterSyncTrainer) syncing through the bucket and the
+    proxy, admitting groups by the staleness window, packing steps by `token_budget` and weighting its loss
+    by `correction`."""
+
     def __init__(
         self,
         *args,
@@ -56,6 +58,7 @@ class BucketSyncTrainer(PackedStepsMixin, OffPolicyCorrection, AdapterSyncTraine
         admission: AdmissionWindow,
         first_version: int = 1,
         on_sample: Callable[[object, int, bool], None] | None = None,
+        correction: OffPolicyCorrection,
         **kwargs,
     ):
         super().__init__(*args, proxy_token=proxy.auth_token, **kwargs)
@@ -86,6 +89,7 @@ class BucketSyncTrainer(PackedStepsMixin, OffPolicyCorrection, AdapterSyncTraine
         self.keep_every = keep_every
         self.on_sync = on_sync
         self.on_sample = on_sample
+        self.correction = correction
 
     def _on_pull(self, sample) -> None:
         self.position.add(TrainerPosition.PULLED)
@@ -105,6 +109,26 @@ class BucketSyncTrainer(PackedStepsMixin, OffPolicyCorrection, AdapterSyncTraine
                 prepared, self.accelerator, self.args.per_device_train_batch_size, self.args.token_budget
             )
         return without_lookahead(prepared, self.accelerator)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        rows = step_rows(inputs)
+        if rows is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        return train_rows(super().training_step, model, rows, num_items_in_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        forward = captured_forward(model)  # compat item 21: the correction reads TRL's own forward
+        loss = super().compute_loss(forward, inputs, return_outputs, num_items_in_batch)
+        return over_step_tokens(self.correction.loss(self, forward.outputs, inputs, loss), inputs)
+
+    def floating_point_ops(self, inputs) -> int:
+        rows = step_rows(inputs)
+        if rows is None:
+            return super().floating_point_ops(inputs)
+        flops = 0
+        for batch in rows:  # not a generator expression: zero-argument super()
+            flops += super().floating_point_ops(batch)
+        return flops
 
     def group_counts(self) -> dict:
         """Groups by fate: `generated` (scored by the rollout loop), `trained`, `dropped_stale`, `failed`
@@ -192,38 +216,3 @@ class _CountingQueue:
 
     def qsize(self) -> int:
         return self._queue.qsize()
-
-
-class StepReporter(TrainerCallback):
-    """Hands each step's logged metrics to a function (TRL's progress bar does not reach Ray job logs)."""
-
-    def __init__(self, report: Callable[[int, dict], None]):
-        self.report = report
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if is_step_log(logs):
-            self.report(state.global_step, dict(logs))
-
-
-class StopWhenAsked(TrainerCallback):
-    """Ends training at the end of the step under way once `asked` is set (the driver is stopping the run:
-    whatever the trainer did after the driver's summary would be missing from it)."""
-
-    def __init__(self, asked: threading.Event):
-        self.asked = asked
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.asked.is_set():
-            control.should_training_stop = True
-
-
-class CheckpointPublisher(TrainerCallback):
-    """Moves each checkpoint the trainer saves locally into the bucket (files, then manifest)."""
-
-    def __init__(self, publish: Callable[[int, str], None]):
-        self.publish = publish
-
-    def on_save(self, args, state, control, **kwargs):
-        local = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if os.path.isdir(local):
-            self.publish(state.global_step, local)

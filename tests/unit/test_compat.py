@@ -484,13 +484,10 @@ class _TokenMeanTrainer:
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.micro_batches += 1
-        loss = self.compute_loss(model, inputs)
+        # As BucketSyncTrainer.compute_loss returns TRL's loss, normalised over the step's tokens.
+        loss = batching.over_step_tokens(self.compute_loss(model, inputs), inputs)
         loss.backward()
         return loss.detach()
-
-
-class _PackedTrainer(batching.PackedStepsMixin, _TokenMeanTrainer):
-    pass
 
 
 def test_a_packed_step_trains_its_rows_as_one_token_mean():
@@ -501,8 +498,10 @@ def test_a_packed_step_trains_its_rows_as_one_token_mean():
         {"x": x, "global_n_tokens": torch.tensor([float(len(x))]), batching.STEP_TOKENS: torch.tensor([4.0])}
         for x in tokens
     ]
-    trainer = _PackedTrainer()
-    loss = trainer.training_step(torch.nn.Linear(1, 1), {batching.MICRO_BATCHES: micro_batches})
+    trainer = _TokenMeanTrainer()
+    rows = batching.step_rows({batching.MICRO_BATCHES: micro_batches})
+    loss = batching.train_rows(trainer.training_step, torch.nn.Linear(1, 1), rows)
+    assert batching.step_rows(micro_batches[0]) is None  # TRL's own items are not packed steps
     assert trainer.micro_batches == 2
     assert trainer.weight.grad.item() == pytest.approx(16.0 / 4) and loss.item() == pytest.approx(0.0)
 
@@ -580,6 +579,7 @@ def test_trls_adapter_sync_is_private_and_adapter_sync_trainer_routes_and_names_
     assert trainer.peft_adapter == trainer._adapter_name == "default"
     assert trainer.trained_group_ids is trainer._trained_groups
     assert trainer.rollout_context is trainer.rollout_worker._mp_ctx
+    assert compat.train_metrics(trainer) is trainer._metrics["train"]
     trainer._sync_weight()  # TRL's step that runs at train begin and after each weight_sync_steps
     assert trainer.synced_at > 0
     with pytest.raises(NotImplementedError):
@@ -663,11 +663,8 @@ def test_trls_async_loss_has_no_correction_and_a_captured_forward_gives_one_over
     assert "vllm_importance_sampling_correction" in GRPOConfig.__dataclass_fields__
     assert not [f for f in AsyncGRPOConfig.__dataclass_fields__ if "importance" in f or "correction" in f]
 
-    class Corrected(OffPolicyCorrection, LoraSyncTrainer):
-        pass
-
     compat.apply_trainer_workarounds()
-    trainer = Corrected(
+    trainer = LoraSyncTrainer(
         model=str(tiny_model_dir), reward_funcs=[arithmetic_reward], args=grpo_args(**compat.training_precision_kwargs()),
         train_dataset=Dataset.from_list(make_prompts(16, seed=0)),
         peft_config=LoraConfig(r=1, lora_alpha=2, target_modules="all-linear", task_type="CAUSAL_LM"),
@@ -691,9 +688,14 @@ def test_trls_async_loss_has_no_correction_and_a_captured_forward_gives_one_over
         loss.backward()
         return loss.detach(), [p.grad.clone() for n, p in model.named_parameters() if p.requires_grad]
 
+    def corrected(method: str):
+        """BucketSyncTrainer.compute_loss: TRL's over a captured forward, then the correction."""
+        forward = compat.captured_forward(model)
+        loss = AsyncGRPOTrainer.compute_loss(trainer, forward, inputs)
+        return OffPolicyCorrection(method).loss(trainer, forward.outputs, inputs, loss)
+
     trl_loss, trl_grads = loss_and_grads(lambda: AsyncGRPOTrainer.compute_loss(trainer, model, inputs))
-    trainer.correction = "none"
-    none_loss, none_grads = loss_and_grads(lambda: trainer.compute_loss(model, inputs))
+    none_loss, none_grads = loss_and_grads(lambda: corrected("none"))
     assert none_loss == trl_loss and all(
         torch.equal(a, b) for a, b in zip(none_grads, trl_grads, strict=True)
     )
@@ -706,13 +708,12 @@ def test_trls_async_loss_has_no_correction_and_a_captured_forward_gives_one_over
     AsyncGRPOTrainer.compute_loss(trainer, forward, inputs)
     logp = forward.outputs.log_probs.flatten()[inputs["token_index"][selected]].detach()
     inputs["old_log_probs"][selected] = logp  # on-policy: every ratio 1
-    trainer.correction = "tis"
     _, trl_grads = loss_and_grads(lambda: AsyncGRPOTrainer.compute_loss(trainer, model, inputs))
-    _, tis_grads = loss_and_grads(lambda: trainer.compute_loss(model, inputs))
+    _, tis_grads = loss_and_grads(lambda: corrected("tis"))
     for a, b in zip(tis_grads, trl_grads, strict=True):
         torch.testing.assert_close(a, b)
     inputs["old_log_probs"][selected] = logp - 1.5  # pi_train / pi_vllm = e^1.5: TRL clips, TIS caps at 2
     _, trl_grads = loss_and_grads(lambda: AsyncGRPOTrainer.compute_loss(trainer, model, inputs))
-    _, tis_grads = loss_and_grads(lambda: trainer.compute_loss(model, inputs))
+    _, tis_grads = loss_and_grads(lambda: corrected("tis"))
     assert any(not torch.allclose(a, b) for a, b in zip(tis_grads, trl_grads, strict=True))
     assert trainer._metrics["train"]["correction/share_corrected"][-1] == (float(selected.sum()),) * 2

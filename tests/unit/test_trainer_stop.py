@@ -13,7 +13,7 @@ import rl_cluster.trainer.checkpoints as checkpoints_module
 from rl_cluster.bucket import Bucket
 from rl_cluster.config import load_config
 from rl_cluster.trainer.checkpoints import KeptCheckpoints
-from rl_cluster.trainer.grpo import StopWhenAsked
+from rl_cluster.trainer.callbacks import StopWhenAsked
 
 CONFIG = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "cpu_demo.toml"
 
