@@ -12,7 +12,7 @@ takes the run's lease first, before anything expensive starts, and holds it unti
   a driver whose lease was taken over finds out at its next renewal (LeaseLost) instead of writing on.
 - release, however the run ends: a conditional delete of that record. A driver killed before it
   releases (SIGKILL) leaves a lease that expires TTL after its last renewal, or at once for a driver
-  on the same host, which can see that the holder's process is gone.
+  on the same host, boot and pid namespace, which can see that the holder's process is gone.
 
 Expiry compares the record's `expires` with the reader's wall clock: hosts' clocks must agree to well
 within the TTL. The record says who holds the lease (host, pid, and an id drawn per acquisition, so a
@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from rl_cluster.bucket.store import Conflict, Store
 from rl_cluster.errors import LeaseHeld, LeaseLost
@@ -55,6 +56,11 @@ class LeaseRecord:
     id: str  # random per acquisition: tells this holder from a successor on the same host and pid
     since: float  # UTC epoch seconds
     expires: float
+    # Where the pid means something (empty when not known): the host's boot, the pid namespace, and the
+    # process's start time in clock ticks since boot (a pid taken again by another process differs).
+    boot: str = ""
+    pidns: str = ""
+    started: int = 0
 
     def is_live(self, now: float) -> bool:
         return now < self.expires
@@ -69,12 +75,16 @@ class LeaseRecord:
     def to_json(self) -> bytes:
         return json.dumps(
             {
-                "holder": {"host": self.host, "pid": self.pid, "id": self.id},
+                "holder": {"host": self.host, "pid": self.pid, "id": self.id, **self._process()},
                 "since": iso(self.since),
                 "expires": iso(self.expires),
             },
             indent=2,
         ).encode()
+
+    def _process(self) -> dict:
+        known = {"boot": self.boot, "pidns": self.pidns, "started": self.started}
+        return {k: v for k, v in known.items() if v}
 
     @classmethod
     def parse(cls, data: bytes, where: str) -> LeaseRecord:
@@ -88,6 +98,9 @@ class LeaseRecord:
                 id=str(holder["id"]),
                 since=_epoch(raw["since"]),
                 expires=_epoch(raw["expires"]),
+                boot=str(holder.get("boot", "")),
+                pidns=str(holder.get("pidns", "")),
+                started=int(holder.get("started", 0)),
             )
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{where}: not a lease record ({type(e).__name__}: {e})") from None
@@ -97,14 +110,41 @@ class LeaseRecord:
 
 
 def new_record(now: float, ttl_s: float, host: str | None = None, pid: int | None = None) -> LeaseRecord:
-    """A lease for this process (or the given host and pid), from `now` for `ttl_s`."""
+    """A lease for this process (or the given host and pid), from `now` for `ttl_s`. On this host the
+    record also says where its pid means something (`process_identity`)."""
+    pid = os.getpid() if pid is None else pid
+    boot, pidns, started = process_identity(pid) if host is None else ("", "", 0)
     return LeaseRecord(
         host=host or socket.gethostname(),
-        pid=os.getpid() if pid is None else pid,
+        pid=pid,
         id=secrets.token_hex(8),
         since=now,
         expires=now + ttl_s,
+        boot=boot,
+        pidns=pidns,
+        started=started,
     )
+
+
+def process_identity(pid: int) -> tuple[str, str, int]:
+    """This host's boot id, this process's pid namespace, and `pid`'s start time (clock ticks since boot);
+    each empty (or 0) where /proc does not say."""
+
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text().strip()
+        except OSError:
+            return ""
+
+    try:
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pidns = ""
+    stat = read(f"/proc/{pid}/stat")
+    # Field 22 (starttime), counted after the command's closing parenthesis: the command may hold spaces.
+    fields = stat.rpartition(")")[2].split()
+    started = int(fields[19]) if len(fields) > 19 else 0
+    return read("/proc/sys/kernel/random/boot_id"), pidns, started
 
 
 def held_message(run_name: str, uri: str, record: LeaseRecord, ttl_s: float) -> str:
@@ -118,10 +158,18 @@ def held_message(run_name: str, uri: str, record: LeaseRecord, ttl_s: float) -> 
 
 
 def holder_gone(record: LeaseRecord) -> bool:
-    """The holder ran on this host and its process is gone: a driver killed before it could release (the
-    usual crash, and `--resume` is resubmitted to the same head node), so the TTL need not be waited out.
-    A holder on another host, or a pid that is taken again, counts as alive: the lease then expires."""
-    if record.host != socket.gethostname():
+    """The holder ran on this host, in this boot and this pid namespace, and its process is gone (or its
+    pid belongs to a process started later): a driver killed before it could release (the usual crash, and
+    `--resume` is resubmitted to the same head node), so the TTL need not be waited out. Anything this
+    process cannot see counts as alive, and the lease then expires: a holder on another host, or in
+    another pid namespace of the same hostname (host-networked containers share the hostname, not the
+    pids), or a record that does not say where its pid means something."""
+    boot, pidns, _ = process_identity(os.getpid())
+    if (
+        (record.host, record.boot, record.pidns) != (socket.gethostname(), boot, pidns)
+        or not boot
+        or not pidns
+    ):
         return False
     try:
         os.kill(record.pid, 0)
@@ -129,7 +177,8 @@ def holder_gone(record: LeaseRecord) -> bool:
         return True
     except PermissionError:  # alive, under another user
         return False
-    return False
+    started = process_identity(record.pid)[2]
+    return bool(record.started and started and started != record.started)
 
 
 def iso(t: float) -> str:

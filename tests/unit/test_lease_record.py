@@ -1,11 +1,15 @@
 """The run lease's pure part: the record, its expiry, the refusal line. The protocol against real
 directories and a real S3 API is in tests/integration/test_lease.py."""
 
+import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
-from rl_cluster.bucket.lease import LeaseRecord, held_message, iso, new_record
+from rl_cluster.bucket.lease import LeaseRecord, held_message, holder_gone, iso, new_record, process_identity
 from rl_cluster.errors import LeaseHeld, RunRefused
 
 NOW = 1_750_000_000.0
@@ -81,3 +85,44 @@ def test_the_lease_module_imports_no_http_or_ray_library():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def _mine(pid: int, **changes) -> LeaseRecord:
+    """A live record for `pid` on this host, saying where its pid means something, with `changes`."""
+    return dataclasses.replace(new_record(NOW, 60, pid=pid), **changes)
+
+
+def _exited_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_record_made_here_says_where_its_pid_means_something():
+    record = new_record(NOW, 60)
+    boot, pidns, started = process_identity(os.getpid())
+    assert (record.boot, record.pidns, record.started) == (boot, pidns, started)
+    assert boot and pidns.startswith("pid:") and started > 0
+    holder = json.loads(record.to_json())["holder"]
+    assert (holder["boot"], holder["pidns"], holder["started"]) == (boot, pidns, started)
+    assert LeaseRecord.parse(record.to_json(), "x") == record
+
+
+def test_a_holder_here_is_gone_only_when_its_own_namespace_says_so():
+    """Same host, boot and pid namespace: a pid that exited, or that a later process took, is gone;
+    the live process itself is not."""
+    assert holder_gone(_mine(_exited_pid()))
+    assert not holder_gone(_mine(os.getpid()))
+    ours = process_identity(os.getpid())[2]
+    assert holder_gone(_mine(os.getpid(), started=ours - 1))  # the pid, taken again since
+
+
+def test_a_holder_whose_pid_this_process_cannot_see_is_alive():
+    """A host-networked container shares the hostname, not the pids: a live holder there has a pid
+    that does not exist here. It must wait out the TTL, as must a record that does not say where its
+    pid means something (written before these fields) or one from another boot."""
+    pid = _exited_pid()
+    assert not holder_gone(_mine(pid, pidns="pid:[4026530000]"))
+    assert not holder_gone(_mine(pid, boot="another-boot"))
+    assert not holder_gone(_mine(pid, boot="", pidns="", started=0))
+    assert not holder_gone(_mine(pid, host="another-host"))
