@@ -27,6 +27,7 @@ from rl_cluster.config import RunConfig
 from rl_cluster.core.summary import NEVER_DEDUPLICATED, exit_status, summarize, summary_table
 from rl_cluster.credentials import RunSecrets
 from rl_cluster.errors import RunRefused
+from rl_cluster.trainer_calls import LeaseNews, actor_restarts, train_through_restarts, trainer_actor
 
 # Read by Ray when it is imported (below, inside the functions): every progress line reaches the logs.
 os.environ.setdefault("RAY_DEDUP_LOGS_ALLOW_REGEX", NEVER_DEDUPLICATED)
@@ -105,15 +106,21 @@ async def train(config: RunConfig, resume: bool = False) -> dict:
     lease = bucket.run_lease(config.run_name)
     lease.acquire()  # before the checks in _train: they are check-then-act, safe only under the lease
     loop, run = asyncio.get_running_loop(), asyncio.current_task()
-    lease.start_renewing(lambda why: loop.call_soon_threadsafe(_cancel_once(run)))
+    news = LeaseNews()
+
+    def lost(why: str) -> None:
+        news.lost(why)  # the trainer stops writing first, then the run stops
+        loop.call_soon_threadsafe(_cancel_once(run))
+
+    lease.start_renewing(lost, news.renewed)
     on_signals(_cancel_once(run))  # from here on a stop ends the run at its next await, summary.json first
     try:
-        return await _train(config, bucket, lease, resume)
+        return await _train(config, bucket, lease, news, resume)
     finally:
         lease.release()
 
 
-async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
+async def _train(config: RunConfig, bucket, lease, news: LeaseNews, resume: bool) -> dict:
     import ray
 
     from rl_cluster.cluster import start_proxy
@@ -141,7 +148,8 @@ async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
         print(f"run {config.run_name}: {starting}", flush=True)
         cluster = await start_proxy(config, log_dir_for(config), secrets, loopback=loopback)
         # Its process starts (imports torch, transformers, TRL) beside the vLLM servers; the cleanup ends both.
-        cluster.trainer = trainer_actor(config, cluster.proxy_url, secrets)
+        cluster.trainer = news.trainer = trainer_actor(config, cluster.proxy_url, secrets)
+        cluster.trainer.lease_renewed.remote(lease.valid_for())
         await cluster.add_generators(config.generator.replicas)
         cluster.pool = await start_pool(cluster)
         ready = f"proxy listening on {cluster.proxy_url}; generators ready after {time.time() - start:.0f}s"
@@ -161,17 +169,29 @@ async def _train(config: RunConfig, bucket, lease, resume: bool) -> dict:
         print(f"\nrun {config.run_name} failed: {error}", flush=True)
         traceback.print_exc()  # the summary keeps the message; the log keeps where it happened
     try:
-        summary = await _summarize_run(config, bucket, cluster, result, status, error, time.time() - start)
+        # After the lease was lost another driver may hold the run: nothing more of this one is written.
+        writable = bucket if lease.lost is None else None
+        summary = await _summarize_run(config, writable, cluster, result, status, error, time.time() - start)
     finally:
         if cluster is not None:
             await cluster.shutdown()
         with contextlib.suppress(Exception):
             ray.shutdown()
     print(f"\nrun {config.run_name} {status}\n{summary_table(summary)}", flush=True)
+    _print_written(config, bucket, lease, summary)
+    return summary
+
+
+def _print_written(config: RunConfig, bucket, lease, summary: dict) -> None:
+    if lease.lost is not None:
+        print(
+            f"\nnothing written to {bucket.run_uri(config.run_name)}/: this driver lost the run's lease",
+            flush=True,
+        )
+        return
     # metrics.jsonl and curves.png exist once a step was trained (a run can fail before its first).
     written = ["summary.json", *(["metrics.jsonl", "curves.png"] if summary["steps"] else [])]
     print(f"\nwritten to {bucket.run_uri(config.run_name)}/ ({', '.join(written)})", flush=True)
-    return summary
 
 
 def _stopped(config: RunConfig, lease) -> tuple[str, str | None]:
@@ -182,82 +202,6 @@ def _stopped(config: RunConfig, lease) -> tuple[str, str | None]:
     error = f"LeaseLost: {lease.lost}"
     print(f"\nrun {config.run_name} failed: {error}; stopping", flush=True)
     return "failed", error
-
-
-# How long the trainer may stay unreachable before the run gives up on it: Ray declares a silent node dead
-# after five missed health checks (up to ~65 s), then restarts the actor elsewhere.
-TRAINER_LOST_S = 240.0
-ASK_AGAIN_S = 5.0
-
-
-async def train_through_restarts(trainer, resume: bool) -> dict:
-    """The trainer's run(), asked again when the call failed because its actor died or could not be reached
-    (its process killed, its node lost or cut off): a life Ray restarted resumes from the newest
-    checkpoint, and a life that went on answers with the outcome of its training. Ray's own retry of the
-    call is off: when a node is lost, Ray sends the retry to the dead address before it has noticed the
-    death, and the retry is spent there (ActorUnavailableError). Bounded: Ray restarts the actor at most
-    trainer.max_restarts times (then it is DEAD), and one unreachable for TRAINER_LOST_S ends the run."""
-    import ray
-
-    failing_since, last = None, None
-    while True:
-        asked = time.monotonic()
-        try:
-            return await trainer.run.options(max_task_retries=0).remote(resume=resume)
-        except ray.exceptions.RayActorError as e:
-            now = time.monotonic()
-            if failing_since is None or now - asked > 2 * ASK_AGAIN_S:  # it had been answering meanwhile
-                failing_since = now
-            state = await asyncio.to_thread(actor_state, trainer)
-            # A call to an actor that Ray restarts waits for its new life; one to an actor Ray will not
-            # restart fails at once, every time (also when the state API is too slow to say DEAD).
-            died_again = isinstance(e, ray.exceptions.ActorDiedError) and isinstance(
-                last, ray.exceptions.ActorDiedError
-            )
-            if (
-                state == "DEAD"
-                or (died_again and now - asked < ASK_AGAIN_S)
-                or now - failing_since > TRAINER_LOST_S
-            ):
-                raise
-            last = e
-            print(f"trainer unreachable ({type(e).__name__}; Ray says {state}): asking again", flush=True)
-            await asyncio.sleep(ASK_AGAIN_S)
-
-
-def _state_record(actor):
-    """Ray's state API record of `actor`, asked of the cluster this driver joined: with no address the API
-    refuses when the machine runs more than one Ray ("Found multiple active Ray instances")."""
-    import ray
-    from ray.util.state import get_actor
-
-    return get_actor(actor._actor_id.hex(), address=ray.get_runtime_context().gcs_address)
-
-
-def actor_state(actor) -> str | None:
-    """ALIVE, RESTARTING, DEAD, ... from Ray's state API; None when it cannot tell."""
-    try:
-        state = _state_record(actor)
-    except Exception:
-        return None
-    return None if state is None else str(state.state)
-
-
-def trainer_actor(config: RunConfig, proxy_url: str, secrets):
-    """The run's trainer actor, on a node with the `trainer` resource. The run's secrets reach it as
-    constructor arguments, never through the runtime_env that Ray's dashboard shows."""
-    from rl_cluster.trainer.actor import TrainerActor
-
-    return TrainerActor.options(
-        name=f"{config.run_name}-trainer",
-        num_cpus=config.trainer.num_cpus,
-        num_gpus=config.trainer.num_gpus,
-        resources={"trainer": 1},
-        # A trainer that dies is restarted, and asked to run again (train_through_restarts): it resumes
-        # from a checkpoint. Its other calls (report, placement) are retried by Ray.
-        max_restarts=config.trainer.max_restarts,
-        max_task_retries=config.trainer.max_restarts,
-    ).remote(config, proxy_url, secrets.proxy_token, secrets.replica_key, secrets.environment)
 
 
 async def _summarize_run(config: RunConfig, bucket, cluster, result: dict, status: str, error: str | None,
@@ -316,17 +260,19 @@ async def _summarize_run(config: RunConfig, bucket, cluster, result: dict, statu
     _write_summary(bucket, config, summary, result)
     if cluster is not None and cluster.trainer is not None:
         await _bounded(cluster.trainer.finish.remote(summary), None)
-    if result["history"]:
+    if result["history"] and bucket is not None:
         curves = curves_png(result["history"], config.run_name, evals=result.get("evals"))
         bucket.write_bytes(config.run_name, "curves.png", curves)
     return summary
 
 
 def _write_summary(bucket, config: RunConfig, summary: dict, result: dict) -> None:
+    """summary.json, unless `bucket` is None (the lease was lost: the run is someone else's)."""
     summary["run_name"] = config.run_name
     summary["resumed_from_step"] = result.get("resumed_from_step")
     summary["experience"] = result.get("experience")
-    bucket.write_text(config.run_name, "summary.json", json.dumps(summary, indent=2))
+    if bucket is not None:
+        bucket.write_text(config.run_name, "summary.json", json.dumps(summary, indent=2))
 
 
 def _print_where(placement: dict, dashboard: str | None) -> None:
@@ -344,19 +290,6 @@ def metrics_exports() -> str:
 
     nodes = [n for n in ray.nodes() if n["Alive"] and n.get("MetricsExportPort")]
     return " ".join(f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics" for n in nodes)
-
-
-def actor_restarts(actor, what: str) -> int | None:
-    """How often Ray restarted `actor` (the trainer, the proxy), from Ray's state API; None when it
-    cannot tell."""
-    if actor is None:
-        return 0
-    try:
-        state = _state_record(actor)
-    except Exception as e:
-        print(f"  ({what} restarts unknown: {type(e).__name__}: {e})", flush=True)
-        return None
-    return int(state.num_restarts) if state is not None else None
 
 
 def train_main(config: RunConfig, resume: bool = False) -> int:

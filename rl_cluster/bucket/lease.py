@@ -10,6 +10,10 @@ takes the run's lease first, before anything expensive starts, and holds it unti
   one wins). A live lease is refused with one line naming its holder (LeaseHeld).
 - renew, every TTL/3 on a daemon thread: a conditional replace of the record this process last wrote, so
   a driver whose lease was taken over finds out at its next renewal (LeaseLost) instead of writing on.
+  Each renewal tells the run's writer for how long the lease is held from then on (`valid_for`), and the
+  writer fences itself by that (rl_cluster/core/fence.py). A renewal is waited for a bounded time (a hung
+  mount or a blackholed endpoint would hold it for minutes); the lease counts as lost once less than
+  `margin_s` of it is left unrenewed, before anyone else may take it.
 - release, however the run ends: a conditional delete of that record. A driver killed before it
   releases (SIGKILL) leaves a lease that expires TTL after its last renewal, or at once for a driver
   on the same host, boot and pid namespace, which can see that the holder's process is gone.
@@ -24,18 +28,12 @@ they promise, directory.py and s3.py how each medium keeps it).
 
 from __future__ import annotations
 
-import datetime as _dt
-import json
 import logging
-import os
-import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from pathlib import Path
 
+from rl_cluster.bucket.lease_record import LeaseRecord, held_message, holder_gone, iso, new_record
 from rl_cluster.bucket.store import Conflict, Store
 from rl_cluster.errors import LeaseHeld, LeaseLost
 
@@ -45,151 +43,6 @@ LEASE_TTL_S = 60.0  # long enough to ride out a bucket's hiccup, short enough to
 # Rounds of create / read / take over before giving up on a lease that keeps changing under us.
 _ATTEMPTS = 5
 _UNREADABLE_WAIT_S = 0.2  # a file being created on a mount may be empty for a moment
-
-
-@dataclass(frozen=True)
-class LeaseRecord:
-    """What `lease.json` says: who holds the run's lease, since when, and until when unless renewed."""
-
-    host: str
-    pid: int
-    id: str  # random per acquisition: tells this holder from a successor on the same host and pid
-    since: float  # UTC epoch seconds
-    expires: float
-    # Where the pid means something (empty when not known): the host's boot, the pid namespace, and the
-    # process's start time in clock ticks since boot (a pid taken again by another process differs).
-    boot: str = ""
-    pidns: str = ""
-    started: int = 0
-
-    def is_live(self, now: float) -> bool:
-        return now < self.expires
-
-    def renewed(self, now: float, ttl_s: float) -> LeaseRecord:
-        return replace(self, expires=now + ttl_s)
-
-    @property
-    def holder(self) -> str:
-        return f"host {self.host}, pid {self.pid}"
-
-    def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "holder": {"host": self.host, "pid": self.pid, "id": self.id, **self._process()},
-                "since": iso(self.since),
-                "expires": iso(self.expires),
-            },
-            indent=2,
-        ).encode()
-
-    def _process(self) -> dict:
-        known = {"boot": self.boot, "pidns": self.pidns, "started": self.started}
-        return {k: v for k, v in known.items() if v}
-
-    @classmethod
-    def parse(cls, data: bytes, where: str) -> LeaseRecord:
-        """The record in `data`; ValueError naming `where` when it is not one."""
-        try:
-            raw = json.loads(data)
-            holder = raw["holder"]
-            record = cls(
-                host=str(holder["host"]),
-                pid=int(holder["pid"]),
-                id=str(holder["id"]),
-                since=_epoch(raw["since"]),
-                expires=_epoch(raw["expires"]),
-                boot=str(holder.get("boot", "")),
-                pidns=str(holder.get("pidns", "")),
-                started=int(holder.get("started", 0)),
-            )
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{where}: not a lease record ({type(e).__name__}: {e})") from None
-        if not record.id:
-            raise ValueError(f"{where}: not a lease record (empty holder id)")
-        return record
-
-
-def new_record(now: float, ttl_s: float, host: str | None = None, pid: int | None = None) -> LeaseRecord:
-    """A lease for this process (or the given host and pid), from `now` for `ttl_s`. On this host the
-    record also says where its pid means something (`process_identity`)."""
-    pid = os.getpid() if pid is None else pid
-    boot, pidns, started = process_identity(pid) if host is None else ("", "", 0)
-    return LeaseRecord(
-        host=host or socket.gethostname(),
-        pid=pid,
-        id=secrets.token_hex(8),
-        since=now,
-        expires=now + ttl_s,
-        boot=boot,
-        pidns=pidns,
-        started=started,
-    )
-
-
-def process_identity(pid: int) -> tuple[str, str, int]:
-    """This host's boot id, this process's pid namespace, and `pid`'s start time (clock ticks since boot);
-    each empty (or 0) where /proc does not say."""
-
-    def read(path: str) -> str:
-        try:
-            return Path(path).read_text().strip()
-        except OSError:
-            return ""
-
-    try:
-        pidns = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        pidns = ""
-    stat = read(f"/proc/{pid}/stat")
-    # Field 22 (starttime), counted after the command's closing parenthesis: the command may hold spaces.
-    fields = stat.rpartition(")")[2].split()
-    started = int(fields[19]) if len(fields) > 19 else 0
-    return read("/proc/sys/kernel/random/boot_id"), pidns, started
-
-
-def held_message(run_name: str, uri: str, record: LeaseRecord, ttl_s: float) -> str:
-    """The one line a driver refused for a live lease prints: who holds it, since when, what to do."""
-    return (
-        f"run {run_name!r} is in use by another driver: {uri} is held by {record.holder} since "
-        f"{iso(record.since)} (expires {iso(record.expires)} unless renewed). Wait for that run to end, "
-        f"pick another run_name, or --resume {run_name} once its lease has expired ({ttl_s:.0f} s after "
-        "its driver stopped)."
-    )
-
-
-def holder_gone(record: LeaseRecord) -> bool:
-    """The holder ran on this host, in this boot and this pid namespace, and its process is gone (or its
-    pid belongs to a process started later): a driver killed before it could release (the usual crash, and
-    `--resume` is resubmitted to the same head node), so the TTL need not be waited out. Anything this
-    process cannot see counts as alive, and the lease then expires: a holder on another host, or in
-    another pid namespace of the same hostname (host-networked containers share the hostname, not the
-    pids), or a record that does not say where its pid means something."""
-    boot, pidns, _ = process_identity(os.getpid())
-    if (
-        (record.host, record.boot, record.pidns) != (socket.gethostname(), boot, pidns)
-        or not boot
-        or not pidns
-    ):
-        return False
-    try:
-        os.kill(record.pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, under another user
-        return False
-    started = process_identity(record.pid)[2]
-    return bool(record.started and started and started != record.started)
-
-
-def iso(t: float) -> str:
-    return _dt.datetime.fromtimestamp(t, _dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def _epoch(text: str) -> float:
-    when = _dt.datetime.fromisoformat(text)
-    if when.tzinfo is None:
-        raise ValueError(f"{text!r} has no time zone")
-    return when.timestamp()
 
 
 class RunLease:
@@ -210,6 +63,8 @@ class RunLease:
         self.clock = clock
         self.record: LeaseRecord | None = None  # while held: what this process last wrote
         self.lost: str | None = None  # why the renewer gave up, once it has
+        self.margin_s = ttl_s / 4  # the writer's fence and the renewer's give-up, before the lease expires
+        self._held_until = 0.0  # on time.monotonic(): a TTL after the last write of `record` began
         self._tag = ""  # the store's tag of `record`: conditional writes name it
         self._lock = threading.Lock()  # the renewer and release never interleave
         self._stop = threading.Event()
@@ -221,8 +76,9 @@ class RunLease:
         """Take the lease: create it, or take over an expired one. LeaseHeld while another's is live."""
         mine = new_record(self.clock(), self.ttl_s)
         for _ in range(_ATTEMPTS):
+            began = time.monotonic()
             try:
-                return self._hold(mine, self.store.create(self.rel, mine.to_json()))
+                return self._hold(mine, self.store.create(self.rel, mine.to_json()), began)
             except FileExistsError:
                 pass
             try:
@@ -231,7 +87,7 @@ class RunLease:
                 continue  # released between our create and our read: create again
             if current.id == mine.id:
                 # Our create (or takeover) went through, its answer was lost, and the retry found the file.
-                return self._hold(current, tag)
+                return self._hold(current, tag, began)
             gone = holder_gone(current)
             if current.is_live(self.clock()) and not gone:
                 raise LeaseHeld(held_message(self.run_name, self.uri, current, self.ttl_s))
@@ -240,9 +96,9 @@ class RunLease:
                 *(self.run_name, self.uri, current.holder),
                 "whose process is gone" if gone else f"expired at {iso(current.expires)}",
             )
-            mine = new_record(self.clock(), self.ttl_s)
+            mine, began = new_record(self.clock(), self.ttl_s), time.monotonic()
             try:
-                return self._hold(mine, self.store.replace(self.rel, mine.to_json(), tag))
+                return self._hold(mine, self.store.replace(self.rel, mine.to_json(), tag), began)
             except Conflict:
                 continue  # another driver took it over first (or its holder renewed it late): look again
         raise LeaseHeld(
@@ -250,9 +106,15 @@ class RunLease:
             "it; another driver is starting under the same run_name. Wait, or pick another run_name."
         )
 
-    def _hold(self, record: LeaseRecord, tag: str) -> LeaseRecord:
+    def _hold(self, record: LeaseRecord, tag: str, began: float) -> LeaseRecord:
         self.record, self._tag, self.lost = record, tag, None
+        self._held_until = began + self.ttl_s
         return record
+
+    def valid_for(self) -> float:
+        """Seconds from now that the lease is this process's at least, on its monotonic clock: a TTL from
+        when its last successful write began (the record's `expires` is later still)."""
+        return max(0.0, self._held_until - time.monotonic()) if self.record is not None else 0.0
 
     def _read(self) -> tuple[LeaseRecord, str]:
         """The record in the bucket and its tag; FileNotFoundError when there is none. A file that does
@@ -277,11 +139,11 @@ class RunLease:
         with self._lock:
             if self.record is None:
                 raise LeaseLost(f"{self.uri}: not held by this driver")
-            mine = self.record.renewed(self.clock(), self.ttl_s)
+            mine, began = self.record.renewed(self.clock(), self.ttl_s), time.monotonic()
             for _ in range(2):
                 try:
                     self._tag = self.store.replace(self.rel, mine.to_json(), self._tag)
-                    self.record = mine
+                    self.record, self._held_until = mine, began + self.ttl_s
                     return
                 except Conflict:
                     pass
@@ -300,23 +162,39 @@ class RunLease:
                 self._tag = tag
             raise LeaseLost(f"{self.uri} kept changing while this driver renewed it")
 
-    def start_renewing(self, on_lost: Callable[[str], None]) -> None:
-        """Renew every TTL/3 on a daemon thread until `release`; when the lease is lost (taken over, or
-        not renewed before it expired), call `on_lost(why)` once and stop."""
+    def start_renewing(
+        self, on_lost: Callable[[str], None], on_renewed: Callable[[float], None] | None = None
+    ) -> None:
+        """Renew every TTL/3 on a daemon thread until `release`, telling `on_renewed(valid_for())` after each
+        renewal. When the lease is lost (taken over, or less than `margin_s` of it left unrenewed, a renewal
+        in flight or not), call `on_lost(why)` once and stop."""
 
         def renew_until_released() -> None:
-            while not self._stop.wait(self.ttl_s / 3):
-                try:
-                    self.renew()
+            renewal: _Renewal | None = None
+            wait = self.ttl_s / 3
+            while not self._stop.wait(wait):
+                renewal = renewal or _Renewal(self.renew)
+                # Waited for no longer than the lease has to spare: the loss is told before the margin.
+                done = renewal.done.wait(max(0.0, min(self.ttl_s / 6, self.valid_for() - self.margin_s)))
+                if done and renewal.error is None:
+                    renewal, wait = None, self.ttl_s / 3
+                    if on_renewed is not None:
+                        on_renewed(self.valid_for())
                     continue
-                except LeaseLost as e:
-                    why = str(e)
-                except Exception as e:  # the bucket unreachable: fine while the lease has time left
-                    expires = self.record.expires if self.record else 0.0
-                    if self.clock() < expires:
-                        log.warning("%s: could not renew %s (%s); retrying", self.run_name, self.uri, e)
+                if done and isinstance(renewal.error, LeaseLost):
+                    why = str(renewal.error)
+                else:
+                    problem = f"{type(renewal.error).__name__}: {renewal.error}" if done else "no answer yet"
+                    renewal = None if done else renewal  # one renewal in flight at a time
+                    spare = self.valid_for() - self.margin_s
+                    if spare > 0:
+                        log.warning("%s: could not renew %s (%s); retrying", self.run_name, self.uri, problem)
+                        wait = min(self.ttl_s / 12, spare)
                         continue
-                    why = f"{self.uri} could not be renewed before it expired: {type(e).__name__}: {e}"
+                    why = (
+                        f"{self.uri} could not be renewed while more than {self.margin_s:.0f} s of it were "
+                        f"left ({problem})"
+                    )
                 if self._stop.is_set():
                     return  # released meanwhile: nothing was lost
                 self.lost = why
@@ -336,7 +214,11 @@ class RunLease:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=1.0)  # a renewal in flight finishes under the lock below
-        with self._lock:
+        # Bounded: a renewal hung on the bucket holds the lock, and the driver must still exit.
+        if not self._lock.acquire(timeout=self.ttl_s / 6):
+            self._left(TimeoutError(f"a renewal has held it for over {self.ttl_s / 6:.0f} s"))
+            return
+        try:
             record, self.record = self.record, None
             if record is None:
                 return
@@ -357,9 +239,29 @@ class RunLease:
                     self._left(e)
             except Exception as e:
                 self._left(e)
+        finally:
+            self._lock.release()
 
     def _left(self, e: Exception) -> None:
         log.warning(
             "%s: could not delete %s (%s: %s); it expires %.0f s after its last renewal",
             *(self.run_name, self.uri, type(e).__name__, e, self.ttl_s),
         )
+
+
+class _Renewal:
+    """One renewal, on a thread of its own, so that the renewer can give up waiting for it (the store's own
+    retries against a blackholed endpoint take minutes, and a hung mount never answers)."""
+
+    def __init__(self, renew: Callable[[], None]):
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        threading.Thread(target=self._run, args=(renew,), name="run-lease-renewal", daemon=True).start()
+
+    def _run(self, renew: Callable[[], None]) -> None:
+        try:
+            renew()
+        except BaseException as e:  # handed to the renewer, which decides
+            self.error = e
+        finally:
+            self.done.set()

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import ray
 
-from rl_cluster.bucket import Bucket
+from rl_cluster.bucket import LEASE_TTL_S, Bucket
 from rl_cluster.config import RunConfig
 from rl_cluster.core.evaluation import eval_line, eval_record, with_evals
+from rl_cluster.core.fence import WriteFence
 from rl_cluster.core.manifest import adapter_dir_name
 from rl_cluster.core.summary import progress_line, step_record
 from rl_cluster.core.telemetry import GROUP_FATES, TRAINER_METRICS, finite, step_values
@@ -20,7 +21,13 @@ from rl_cluster.nodes import node_placement
 from rl_cluster.telemetry import RayMetricSet
 from rl_cluster.trainer.build import build_trainer, evaluator, experience_writer, import_in_background
 from rl_cluster.trainer.check import ServedCheck
-from rl_cluster.trainer.checkpoints import KeptCheckpoints, newest_checkpoint, read_state, restart_fault
+from rl_cluster.trainer.checkpoints import (
+    KeptCheckpoints,
+    newest_checkpoint,
+    read_state,
+    restart_fault,
+    resume_line,
+)
 from rl_cluster.trainer.once import Once
 from rl_cluster.trainer.proxy_client import ProxyClient
 from rl_cluster.trainer.task import load_prompts
@@ -46,7 +53,9 @@ class Trainer:
         self._evaluator = None
         self.syncs: list[dict] = []
         self.last_sync: dict = {}
-        self.checkpoints = KeptCheckpoints(self.bucket, config)
+        # The run's writes (versions, checkpoints, retention, metrics) only while the lease is known held.
+        self.fence = WriteFence(margin_s=LEASE_TTL_S / 4, first_news_s=LEASE_TTL_S / 2)
+        self.checkpoints = KeptCheckpoints(self.bucket, config, self.fence)
         self.faults: list[dict] = []  # Ray's restarts of it; this life's closes at its first step trained
         self._restarted: dict | None = None
         self._base_fingerprint = ""
@@ -85,6 +94,9 @@ class Trainer:
             self._write_metrics()
 
     def _write_metrics(self) -> None:
+        if (refused := self.fence.refusal()) is not None:
+            print(f"metrics.jsonl not written: {refused}", flush=True)
+            return
         lines = "".join(json.dumps(r) + "\n" for r in with_evals(self.history, self.evals))
         self.bucket.write_text(self.config.run_name, "metrics.jsonl", lines)
 
@@ -144,15 +156,6 @@ class Trainer:
         print(f"checkpoint step {step} {done}", flush=True)
 
     # -- training --------------------------------------------------------------------------------------
-    def _restore(self, checkpoint: str) -> None:
-        """The run's record up to the checkpoint (steps, syncs, groups), from the state it was saved with;
-        what happened after it is trained again. Groups that were in flight then are gone."""
-        state = read_state(checkpoint)
-        self.history, self.syncs = state["history"], state["syncs"]
-        self.evals, self.faults = state.get("evals", []), state.get("faults", [])
-        done = state["groups"]
-        self._groups_before = {**done, "generated": done["trained"] + done["dropped_stale"]}
-
     def run(self, resume: bool = False) -> dict:
         """train(), once per life of this actor: a caller that lost its answer while this life went on (in a
         network partition) asks again and gets the same training's outcome; a restarted life trains anew."""
@@ -176,7 +179,7 @@ class Trainer:
         try:
             if train_to_max_steps(self.trainer, checkpoint) is None:
                 print(
-                    f"checkpoint step {self.resumed_from_step} is trainer.max_steps: nothing left to train",
+                    f"checkpoint step {self.resumed_from_step} is trainer.max_steps: nothing to train",
                     flush=True,
                 )
         finally:
@@ -196,18 +199,13 @@ class Trainer:
             self.bucket, c, self._base_fingerprint, required=resume
         )
         published = self.bucket.list_versions(c.run_name, c.run_name)
-        print(
-            ("trainer restarted by Ray: " if restarted else "")
-            + (
-                f"resuming from checkpoint step {self.resumed_from_step}"
-                if checkpoint
-                else "no checkpoint yet: from step 0"
-            )
-            + f"; versions continue after v{max(published, default=0)}",
-            flush=True,
-        )
-        if checkpoint:
-            self._restore(checkpoint)
+        print(resume_line(restarted, self.resumed_from_step, published), flush=True)
+        if checkpoint:  # the run's record up to it; what happened after it is trained again
+            state = read_state(checkpoint)
+            self.history, self.syncs = state["history"], state["syncs"]
+            self.evals, self.faults = state.get("evals", []), state.get("faults", [])
+            done = state["groups"]  # groups in flight then are gone
+            self._groups_before = {**done, "generated": done["trained"] + done["dropped_stale"]}
         if restarted:
             self._restarted = restart_fault(self.bucket, c.run_name, published, self.resumed_from_step)
             self.faults.append(self._restarted)
@@ -220,7 +218,7 @@ class Trainer:
         self.trainer = build_trainer(
             c, model_dir, dataset, bucket=self.bucket, proxy=self.proxy, base_fingerprint=self._base_fingerprint,
             on_step=self._on_step, on_checkpoint=self._publish_checkpoint, on_sync=self._on_sync,
-            on_sample=self._on_sample, stopping=self.checkpoints.stopping,
+            on_sample=self._on_sample, stopping=self.checkpoints.stopping, fence=self.fence,
         )  # fmt: skip
         self._experience = experience_writer(c, self.bucket)
         if c.eval.every_steps:
@@ -274,7 +272,19 @@ class Trainer:
     def placement(self) -> dict:
         return node_placement()
 
+    @ray.method(concurrency_group="lease")
+    def lease_renewed(self, valid_for_s: float) -> None:
+        """The driver renewed the run's lease: held `valid_for_s` from when the renewal began."""
+        self.fence.renewed(valid_for_s)
+
+    @ray.method(concurrency_group="lease")
+    def lease_lost(self, why: str) -> None:
+        """The driver lost the run's lease: no write from here on; the next one fails the training."""
+        self.fence.lost(why)
+        self.checkpoints.stop()
+
 
 # Two threads: run() holds one for the whole run; report(), placement() and a second run() (which waits
-# for the first) answer on the other.
-TrainerActor = ray.remote(max_concurrency=2)(Trainer)
+# for the first) answer on the other. The lease's news has a thread of its own: a run() asked again (after
+# a partition) must not hold it back, or the fence would close on a lease that is held.
+TrainerActor = ray.remote(max_concurrency=2, concurrency_groups={"lease": 1})(Trainer)

@@ -14,6 +14,7 @@ from pathlib import Path
 from rl_cluster.bucket import Bucket
 from rl_cluster.config import RunConfig
 from rl_cluster.core.admission import AdmissionWindow
+from rl_cluster.core.fence import WriteFence
 from rl_cluster.trainer.proxy_client import ProxyClient
 from rl_cluster.trainer.task import import_function
 
@@ -94,10 +95,11 @@ def build_trainer(
     on_sync: Callable[[int, str, dict], None],
     on_sample: Callable,
     stopping: threading.Event,
+    fence: WriteFence,
 ):
     """TRL's AsyncGRPOTrainer (our BucketSyncTrainer) with the run's LoRA, rewards, callbacks and admission
     window; adapter versions continue after the highest the bucket ever held. Training ends at the end of
-    a step once `stopping` is set."""
+    a step once `stopping` is set; each write into the bucket passes `fence` first."""
     from peft import LoraConfig
 
     from rl_cluster.trainer.callbacks import CheckpointPublisher, StepReporter, StopWhenAsked
@@ -130,6 +132,7 @@ def build_trainer(
         on_sync=on_sync,
         on_sample=on_sample,
         admission=admission,
+        fence=fence,
         correction=OffPolicyCorrection(
             c.trainer.correction, c.trainer.correction_cap, c.trainer.correction_band
         ),

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.config import RunConfig
+from rl_cluster.core.fence import WriteFence
 from rl_cluster.core.manifest import adapter_dir_name
 
 RUN_STATE = "rl_cluster_state.json"  # in each checkpoint: the run's record up to it
@@ -38,8 +39,8 @@ class KeptCheckpoints:
     none is published, so a stopped run's summary lists exactly what the bucket keeps (before it, a trainer
     that went on after the driver's report published one and retention deleted a listed one; CI saw it)."""
 
-    def __init__(self, bucket: Bucket, config: RunConfig):
-        self.bucket, self.config = bucket, config
+    def __init__(self, bucket: Bucket, config: RunConfig, fence: WriteFence):
+        self.bucket, self.config, self.fence = bucket, config, fence
         self.uris: list[str] = []
         self.stopping = threading.Event()  # set by stop(); training ends at the step's end (StopWhenAsked)
         self._publishing = threading.Lock()
@@ -49,6 +50,7 @@ class KeptCheckpoints:
         with self._publishing:
             if self.stopping.is_set():
                 return None
+            self.fence.check(f"publish checkpoint {step}")
             uri, deleted = publish_checkpoint(
                 self.bucket, self.config, step, local_dir, state, base_fingerprint
             )
@@ -94,6 +96,15 @@ def newest_checkpoint(
             "trainer.checkpoint_every > 0 to make some, or start a new run"
         )
     return None, None
+
+
+def resume_line(restarted: bool, step: int | None, published: list[int]) -> str:
+    """What a resuming trainer prints: from which checkpoint (`step`; None: none yet), after which version."""
+    return (
+        ("trainer restarted by Ray: " if restarted else "")
+        + (f"resuming from checkpoint step {step}" if step is not None else "no checkpoint yet: from step 0")
+        + f"; versions continue after v{max(published, default=0)}"
+    )
 
 
 def read_state(checkpoint: str) -> dict:

@@ -26,6 +26,7 @@ from trl.experimental.async_grpo.async_grpo_trainer import save_lora_adapter
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.core.admission import AdmissionWindow
+from rl_cluster.core.fence import WriteFence
 from rl_cluster.core.manifest import AdapterMeta, adapter_dir_name, split_adapter_dir_name
 from rl_cluster.trainer.batching import over_step_tokens, packed_steps, step_rows, train_rows
 from rl_cluster.trainer.compat import (
@@ -59,6 +60,7 @@ class BucketSyncTrainer(AdapterSyncTrainer):
         first_version: int = 1,
         on_sample: Callable[[object, int, bool], None] | None = None,
         correction: OffPolicyCorrection,
+        fence: WriteFence,
         **kwargs,
     ):
         super().__init__(*args, proxy_token=proxy.auth_token, **kwargs)
@@ -90,6 +92,7 @@ class BucketSyncTrainer(AdapterSyncTrainer):
         self.on_sync = on_sync
         self.on_sample = on_sample
         self.correction = correction
+        self.fence = fence
 
     def _on_pull(self, sample) -> None:
         self.position.add(TrainerPosition.PULLED)
@@ -148,6 +151,7 @@ class BucketSyncTrainer(AdapterSyncTrainer):
         with tempfile.TemporaryDirectory(prefix="rl_cluster-stage-") as stage:
             save_lora_adapter(model, self.accelerator, self.peft_adapter, os.path.join(stage, name))
             t_saved = time.time()
+            self.fence.check(f"publish {name}")
             uri = self.bucket.publish_adapter(
                 self.run_name,
                 self.adapter_prefix,
@@ -172,6 +176,18 @@ class BucketSyncTrainer(AdapterSyncTrainer):
         self.position[TrainerPosition.LIMIT] = self.admission.limit(
             pulled=self.position[TrainerPosition.PULLED]
         )
+        self._drop_stale(version)
+        timings = {
+            "save_s": t_saved - t0,
+            "publish_s": t_published - t_saved,
+            "handoff_s": t_routable - t_saved,
+        }
+        self.on_sync(version, name, timings)
+        return t_saved, t_published, t_routable
+
+    def _drop_stale(self, version: int) -> None:
+        """Unload the versions that left the staleness window once `version` is current, and apply the
+        bucket's retention to their files."""
         stale = version - (self.args.max_staleness + 1)
         # Every routable version of this run that left the window, not just `stale`: after a resume the
         # numbering jumps, and the proxy holds only what this job (or the trainer before a restart) loaded.
@@ -179,6 +195,7 @@ class BucketSyncTrainer(AdapterSyncTrainer):
             parsed = split_adapter_dir_name(routable)
             if parsed and parsed[0] == self.adapter_prefix and parsed[1] <= stale:
                 self.proxy.unload_adapter(routable)
+        self.fence.check("delete the versions that left the staleness window")
         # Never delete what a replica still holds (a long request keeps an unloaded version loaded), and
         # keep files one sync past their unload: vLLM re-reads evicted adapters from disk.
         protected = set(range(max(stale - 1, 1), version + 1))
@@ -193,13 +210,6 @@ class BucketSyncTrainer(AdapterSyncTrainer):
             keep_every=self.keep_every,
             protected=protected,
         )
-        timings = {
-            "save_s": t_saved - t0,
-            "publish_s": t_published - t_saved,
-            "handoff_s": t_routable - t_saved,
-        }
-        self.on_sync(version, name, timings)
-        return t_saved, t_published, t_routable
 
 
 class _CountingQueue:

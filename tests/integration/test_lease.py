@@ -17,7 +17,8 @@ from conftest import REPO, S3_ENV, moto_s3
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.bucket.layout import lease_rel
-from rl_cluster.bucket.lease import LeaseRecord, RunLease, iso, new_record
+from rl_cluster.bucket.lease import RunLease
+from rl_cluster.bucket.lease_record import LeaseRecord, iso, new_record
 from rl_cluster.bucket.store import Conflict
 from rl_cluster.errors import LeaseHeld, LeaseLost
 
@@ -324,3 +325,35 @@ def test_the_entry_point_refuses_a_second_driver_before_ray(tmp_path, resume):
     assert sorted(p.name for p in (tmp_path / "bucket" / "x").iterdir()) == before
     assert bucket.read_bytes("x", "lease.json") == held
     holder.release()
+
+
+def test_a_hung_renewal_loses_the_lease_before_it_expires_and_release_still_returns(tmp_path):
+    """A renewal that never answers (a hung mount; a blackholed endpoint takes minutes of retries): the
+    renewer tells each renewal's time left to the writer, and gives the lease up with the margin still
+    left, before anyone may take it over; release() does not wait for the hung call."""
+    bucket = Bucket(str(tmp_path / "bucket"), None, **FAST_RETRY)
+    lease = lease_of(bucket, ttl_s=3.0)  # renews every 1 s; margin 0.75 s
+    lease.acquire()
+    renewed: list[float] = []
+    lost: list[tuple[float, str]] = []
+    hang = threading.Event()
+    lease.start_renewing(lambda why: lost.append((time.time(), why)), renewed.append)
+    try:
+        deadline = time.monotonic() + 10
+        while not renewed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert renewed and 2.0 < renewed[0] <= 3.0  # held for about a TTL from when the renewal began
+        bucket.store.replace = lambda *args, **kwargs: hang.wait()  # every renewal from now on hangs
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lost, "the renewer never gave the lease up"
+        expires = LeaseRecord.parse(stored(bucket), "lease").expires  # the last renewal that landed
+        when, why = lost[0]
+        assert when < expires - 0.3, (when, expires)  # before anyone else could take it
+        assert "could not be renewed while more than 1 s of it were left (no answer yet)" in why
+        assert lease.lost == why
+        started = time.monotonic()
+        lease.release()  # the hung renewal holds the lease's lock: bounded by TTL/6
+        assert time.monotonic() - started < 2.0
+    finally:
+        hang.set()

@@ -1,4 +1,4 @@
-"""The driver's call of the trainer across the trainer's deaths (rl_cluster.run.train_through_restarts), on
+"""The driver's call of the trainer across the trainer's deaths (rl_cluster.trainer_calls.train_through_restarts), on
 a real local Ray: a killed actor that Ray restarts is asked again and its new life answers; one that Ray
 will not restart ends the call with Ray's error instead of waiting for ever. (The node-loss case, where
 Ray's own retry of the call would be spent on the dead address, is the chaos run's, in
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from rl_cluster.run import train_through_restarts
+from rl_cluster.trainer_calls import train_through_restarts
 
 pytestmark = pytest.mark.vllm  # the slow lane: it starts a Ray cluster
 

@@ -9,7 +9,14 @@ import sys
 
 import pytest
 
-from rl_cluster.bucket.lease import LeaseRecord, held_message, holder_gone, iso, new_record, process_identity
+from rl_cluster.bucket.lease_record import (
+    LeaseRecord,
+    held_message,
+    holder_gone,
+    iso,
+    new_record,
+    process_identity,
+)
 from rl_cluster.errors import LeaseHeld, RunRefused
 
 NOW = 1_750_000_000.0
@@ -76,9 +83,6 @@ def test_a_held_lease_is_a_refusal_with_exit_status_2():
 
 
 def test_the_lease_module_imports_no_http_or_ray_library():
-    import subprocess
-    import sys
-
     code = (
         "import sys, rl_cluster.bucket.lease; "
         "print(sorted(m for m in ('ray', 's3fs', 'botocore', 'aiohttp', 'fsspec') if m in sys.modules))"

@@ -7,20 +7,31 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
 from transformers import TrainerControl
 
 import rl_cluster.trainer.checkpoints as checkpoints_module
 from rl_cluster.bucket import Bucket
 from rl_cluster.config import load_config
-from rl_cluster.trainer.checkpoints import KeptCheckpoints
+from rl_cluster.core.fence import WriteFence
+from rl_cluster.errors import LeaseLost
 from rl_cluster.trainer.callbacks import StopWhenAsked
+from rl_cluster.trainer.checkpoints import KeptCheckpoints
 
 CONFIG = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "cpu_demo.toml"
 
 
+def _held() -> WriteFence:
+    fence = WriteFence(margin_s=15, first_news_s=0)
+    fence.renewed(60)
+    return fence
+
+
 def test_stop_waits_for_the_checkpoint_being_published_and_none_is_published_after_it(tmp_path, monkeypatch):
     bucket = Bucket(str(tmp_path / "bucket"))
-    kept = KeptCheckpoints(bucket, load_config(CONFIG, ["run_name=stopping", f"bucket.uri={tmp_path}"]))
+    kept = KeptCheckpoints(
+        bucket, load_config(CONFIG, ["run_name=stopping", f"bucket.uri={tmp_path}"]), _held()
+    )
     publishing, release, published = threading.Event(), threading.Event(), []
 
     def publish(bucket, config, step, local_dir, state, fingerprint):  # retention keeps two
@@ -58,3 +69,22 @@ def test_training_ends_at_the_step_end_once_stop_was_asked():
     asked.set()
     callback.on_step_end(None, None, control)
     assert control.should_training_stop
+
+
+def test_a_fenced_trainer_publishes_no_checkpoint_and_deletes_nothing(tmp_path):
+    """The lease ran out (a frozen driver) or was lost: a checkpoint is refused before any file is
+    written, and retention deletes nothing the successor may hold."""
+    bucket = Bucket(str(tmp_path / "bucket"))
+    config = load_config(CONFIG, ["run_name=fenced", f"bucket.uri={tmp_path}", "trainer.keep_checkpoints=1"])
+    local = tmp_path / "checkpoint-5"
+    local.mkdir()
+    (local / "trainer_state.json").write_text("{}")
+    fence = _held()
+    kept = KeptCheckpoints(bucket, config, fence)
+    assert kept.publish(5, str(local), {}, "") == bucket.checkpoint_uri("fenced", 5)
+    fence.lost("lease.json is now held by host b, pid 7")
+    local.mkdir()
+    (local / "trainer_state.json").write_text("{}")
+    with pytest.raises(LeaseLost, match="refuses to publish checkpoint 10: the driver lost the run's lease"):
+        kept.publish(10, str(local), {}, "")
+    assert bucket.list_checkpoints("fenced") == [5]  # nothing published, retention deleted nothing
