@@ -120,7 +120,12 @@ class S3Store(Store):
                 data = src.read_bytes()  # one read: what is hashed is exactly what is uploaded
                 digests[src.name] = sha256_of([data])
                 self._retry(f"upload {key}/{src.name}", self.fs.pipe_file, f"{key}/{src.name}", data)
-            self._retry(f"commit {manifest_key}", self.fs.pipe_file, manifest_key, manifest_for(digests))
+            self._commit(rel, manifest_key, manifest_for(digests))
+        except _CommittedByAnother:
+            raise FileExistsError(
+                f"{self.uri_of(rel)} was published by another writer while this one uploaded; names are "
+                "never reused (two trainers writing one run: see the run's lease)"
+            ) from None  # its version: nothing of it is tidied up here
         except BaseException:
             # Files without a manifest are invisible to readers already; tidy up if the bucket lets us.
             try:
@@ -128,6 +133,17 @@ class S3Store(Store):
             except Exception as e:
                 log.warning("could not remove the unfinished %s: %s", self.uri_of(rel), e)
             raise
+
+    def _commit(self, rel: str, manifest_key: str, manifest: bytes) -> None:
+        """The manifest's upload, exactly once: a conditional PUT (If-None-Match), so that of two writers
+        of one name (the HEAD check before is check-then-act) one commits and the other learns it. A
+        retry whose first attempt landed finds its own bytes there: committed."""
+        try:
+            self._retry(f"commit {manifest_key}", self._put, manifest_key, manifest, IfNoneMatch="*")
+        except FileExistsError:
+            theirs, _ = self._retry(f"read {manifest_key}", self._get_tagged, manifest_key)
+            if theirs != manifest:
+                raise _CommittedByAnother() from None
 
     def committed(self, parent: str) -> list[str]:
         prefix = self._key(parent)
@@ -240,3 +256,7 @@ def _s3_code(error: BaseException) -> str | None:
     """The S3 error code behind an error s3fs translated (it keeps the botocore error as the cause)."""
     response = getattr(error.__cause__, "response", None) or {}
     return response.get("Error", {}).get("Code")
+
+
+class _CommittedByAnother(Exception):
+    """A version's manifest was committed by another writer during this one's publish."""

@@ -495,10 +495,10 @@ def test_failed_publication_leaves_nothing_a_reader_could_take(bucket, kind, tmp
         failures.append(args)
         raise ConnectionError("connection reset by peer")
 
-    if bucket.is_remote:
-        real_pipe = bucket.store.fs.pipe_file
-        monkeypatch.setattr(bucket.store.fs, "pipe_file", lambda path, data, **kw: (flaky if path.endswith(
-            "manifest.json") else real_pipe)(path, data, **kw))  # fmt: skip
+    if bucket.is_remote:  # the commit is the manifest's conditional PUT
+        real_put = bucket.store._put
+        monkeypatch.setattr(bucket.store, "_put", lambda key, data, **kw: (flaky if key.endswith(
+            "manifest.json") else real_put)(key, data, **kw))  # fmt: skip
     else:
         real_write = directory.write_synced
         monkeypatch.setattr(directory, "write_synced", lambda path, data: (flaky if path.name == (
@@ -653,3 +653,41 @@ def test_experience_shard_is_visible_only_with_its_manifest_and_only_as_publishe
         load_experience(bucket, RUN, cache_dir=tmp_path / "cache")
     with pytest.raises(AdapterRejected, match="not a shard directory"):
         bucket.fetch_experience_shard(bucket.adapter_uri(RUN, "run1", 1), cache_dir=tmp_path / "cache")
+
+
+def test_of_two_s3_writers_of_one_name_one_commits_and_the_other_is_told(s3_bucket, tmp_path, monkeypatch):
+    """Both passed the check that the name is free (a HEAD: check-then-act) before either committed: the
+    manifest's conditional PUT commits exactly one; the other gets FileExistsError and removes nothing of
+    the version that is there (an unconditional PUT replaced the first writer's manifest)."""
+    src = make_adapter(tmp_path / "first", 2)
+    first = publish(s3_bucket, 2, src)
+    before = s3_bucket.store.read(f"{RUN}/adapters/policy-v2/manifest.json")
+    monkeypatch.setattr(s3_bucket.store, "_exists", lambda key: False)  # the second writer's HEAD was early
+    with pytest.raises(FileExistsError, match="published by another writer while this one uploaded"):
+        # Same files, another manifest (its trainer step): a second trainer of one run.
+        s3_bucket.publish_adapter(RUN, "policy", 2, src, AdapterMeta(
+            base_model="tiny", base_fingerprint=FP, rank=1, alpha=2, target_modules=["q_proj"], trainer_step=99))  # fmt: skip
+    assert s3_bucket.store.read(f"{RUN}/adapters/policy-v2/manifest.json") == before
+    assert (
+        fetch(s3_bucket, first, tmp_path / "cache") / "adapter_model.safetensors"
+    ).read_bytes() == weights_of(2)
+
+
+def test_an_s3_commit_whose_answer_was_lost_is_found_committed(s3_bucket, tmp_path, monkeypatch):
+    """The manifest's PUT lands, its answer does not, the retry is refused (If-None-Match): the bytes
+    there are this writer's own, so the version is published."""
+    real_put, lost = s3_bucket.store._put, []
+
+    def put(key, data, **condition):
+        etag = real_put(key, data, **condition)
+        if key.endswith("manifest.json") and not lost:
+            lost.append(key)
+            raise ConnectionError("connection reset by peer")
+        return etag
+
+    monkeypatch.setattr(s3_bucket.store, "_put", put)
+    uri = publish(s3_bucket, 3, make_adapter(tmp_path / "src", 3))
+    assert lost and s3_bucket.list_versions(RUN, "policy") == [3]
+    assert (
+        fetch(s3_bucket, uri, tmp_path / "cache") / "adapter_model.safetensors"
+    ).read_bytes() == weights_of(3)
