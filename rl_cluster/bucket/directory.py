@@ -7,9 +7,12 @@ Readers verify in place, since the bucket is already a local path vLLM can read;
 inside the bucket root (vLLM follows symlinks, so a link out of the bucket would load something else).
 
 The run lease's conditional writes: `create` writes a private file and hard-links it into place (link
-fails when the name exists, and the file appears whole); a POSIX directory has no compare-and-swap,
-but rename is atomic, so `replace` moves the file aside (of two swappers one gets it),
-checks it, and creates the new one exclusively in its place. A file's tag is the sha256 of its bytes.
+fails when the name exists, and the file appears whole); a POSIX directory has no compare-and-swap, so
+every conditional write of a file holds an exclusive `flock` on `.<name>.lock` beside it, and `replace`
+compares and then renames the new bytes over the old: the file is never absent, so a newcomer's
+`create` cannot land between (a rename-aside swap left that window: a newcomer took a live lease). On a
+mount without locks (gcsfuse) `replace` falls back to the rename-aside swap, with a warning. A file's
+tag is the sha256 of its bytes.
 
 The s3 backend's local cache is a directory store too (same layout, same commit), which is why `commit`
 takes a function that fills the temporary directory rather than source files.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import logging
 import os
@@ -143,7 +147,7 @@ class DirectoryStore(Store):
         self._retry(f"write {self.uri_of(rel)}", _atomic_write, self.root / rel, data)
 
     def create(self, rel: str, data: bytes) -> str:
-        return self._retry(f"create {self.uri_of(rel)}", _create_exclusive, self.root / rel, data)
+        return self._retry(f"create {self.uri_of(rel)}", _create_locked, self.root / rel, data)
 
     def read_tagged(self, rel: str) -> tuple[bytes, str]:
         data = self.read(rel)
@@ -256,8 +260,66 @@ def _create_in_place(path: Path, data: bytes, why: OSError) -> None:
         raise
 
 
+# What a mount without advisory locks answers `flock` with.
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EBADF}
+_said_no_locks: set[Path] = set()
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path):
+    """An exclusive flock on `.<name>.lock` beside `path`: one conditional write of the file at a time,
+    between processes and between threads (a flock belongs to the open file). Yields whether it is held:
+    False on a mount without locks."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held = True
+        except OSError as e:
+            if e.errno not in _NO_LOCKS:
+                raise
+            if path.parent not in _said_no_locks:
+                _said_no_locks.add(path.parent)
+                log.warning("%s: this mount has no file locks (%s); a lease renewal there is not atomic "
+                            "against a newcomer. An s3:// bucket has real conditional writes.",
+                            path.parent, e.strerror)  # fmt: skip
+            held = False
+        yield held
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _create_locked(path: Path, data: bytes) -> str:
+    with _exclusive(path):
+        return _create_exclusive(path, data)
+
+
 def _swap(path: Path, tag: str, data: bytes | None) -> str | None:
-    """Replace `path` by `data` (delete it when None) only while its bytes are the ones `tag` names."""
+    """Replace `path` by `data` (delete it when None) only while its bytes are the ones `tag` names: under
+    the file's lock, compared and then renamed over, so the file is never absent meanwhile."""
+    with _exclusive(path) as held:
+        if not held:
+            return _swap_aside(path, tag, data)
+        try:
+            current = path.read_bytes()
+        except FileNotFoundError:
+            if data is None:
+                return None
+            raise Conflict(f"{path} is gone") from None
+        if _tag(current) != tag:
+            raise Conflict(f"{path} changed since it was read")
+        if data is None:
+            path.unlink()
+            _fsync_dir(path.parent)
+            return None
+        _atomic_write(path, data)
+        return _tag(data)
+
+
+def _swap_aside(path: Path, tag: str, data: bytes | None) -> str | None:
+    """`_swap` where there are no locks: the file is moved aside (of two swappers one gets it), checked,
+    and created again exclusively; a newcomer's create can land while it is aside."""
     aside = path.with_name(f".{path.name}.swap-{uuid.uuid4().hex[:8]}")
     try:
         os.rename(path, aside)  # atomic: of two swappers, one moves the file and the other finds none
