@@ -32,7 +32,8 @@ from rl_cluster.connection import proxy_options
 from rl_cluster.core.replica_history import ACTOR_DIED, NODE_LOST, REMOVED, ReplicaHistory
 from rl_cluster.credentials import RunSecrets
 from rl_cluster.generator.actor import GeneratorActor
-from rl_cluster.proxy.actor import ProxyActor
+from rl_cluster.proxy.actor import ProxyActor, generator_actor_name
+from rl_cluster.proxy.replica import Member
 
 
 @dataclass
@@ -199,16 +200,25 @@ class Cluster:
         return {rid: r for rid, r in zip(self.generators, reports, strict=True) if isinstance(r, dict)}
 
     async def restore_proxy(self) -> str:
-        """Hand a proxy Ray restarted its generators, on the port its predecessor had; returns its URL."""
+        """Hand a proxy Ray restarted its generators, on the port its predecessor had; returns its URL. A
+        generator that does not say where it serves within 30 s (its actor restarting, cut off, busy) is
+        handed over by name: the proxy registers it down and asks it again each health round, so it is
+        never left out for good."""
         port = urllib.parse.urlsplit(self.proxy_url).port
         answers = await asyncio.gather(
             *(asyncio.wait_for(g.membership.remote(), 30) for g in self.generators.values()),
             return_exceptions=True,
         )
-        # One without a server (starting, restarting, its actor gone) registers by itself when it has one.
-        members = {rid: m for rid, m in zip(self.generators, answers, strict=True) if isinstance(m, tuple)}
-        url = await self.proxy.restore.remote(port, members)
-        print(f"proxy restarted by Ray: serving again on {url} with {sorted(members)}", flush=True)
+        members, unreached = {}, {}
+        for rid, answer in zip(self.generators, answers, strict=True):
+            if isinstance(answer, tuple):
+                members[rid] = Member(*answer)
+            elif rid not in self._starting:  # one being started registers by itself once it serves
+                unreached[rid] = "no server yet" if answer is None else f"{type(answer).__name__}: {answer}"
+        url = await self.proxy.restore.remote(port, members, unreached)
+        print(f"proxy restarted by Ray: serving again on {url} with {sorted(members)}"
+              + (f"; out of routing until they answer: {sorted(unreached)}" if unreached else ""),
+              flush=True)  # fmt: skip
         return url
 
     async def shutdown(self) -> None:
@@ -238,7 +248,7 @@ def draining_nodes() -> dict[str, float | None]:
 def generator_actor(cluster: Cluster, replica_id: str):
     config = cluster.config
     return GeneratorActor.options(
-        name=f"{config.run_name}-generator-{replica_id}",
+        name=generator_actor_name(config.run_name, replica_id),
         # A generator actor that dies (its process crashed, its node went) is restarted by Ray, and the
         # pool controller starts its server again (Cluster.revive); calls in flight then fail, not repeat.
         max_restarts=config.generator.max_restarts,

@@ -15,6 +15,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+# How long the trainer waits for the proxy's answer to a control call (rl_cluster.trainer.proxy_client):
+# every bound the proxy puts on one control call stays below it, so the proxy's answer, not a client
+# timeout, is what the run sees.
+TRAINER_CONTROL_TIMEOUT_S = 600.0
+# What an adapter load's deadline leaves the answer to reach the trainer.
+CONTROL_ANSWER_MARGIN_S = 30.0
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
@@ -309,16 +316,37 @@ class ProxyConfig(Section):
     health_timeout_s: float = Field(10.0, gt=0)
     """Seconds a replica's /health may take before the check counts as failed (generous: a busy CPU host
     answers slowly, and a false alarm costs a catch-up)."""
-    unavailable_timeout_s: float = Field(300.0, gt=0, lt=600)
+    unavailable_timeout_s: float = Field(300.0, gt=0, lt=TRAINER_CONTROL_TIMEOUT_S)
     """Seconds the proxy holds generation requests and adapter loads while no replica is active (all down
     or restarting) before it answers 503, which stops the run with that message. Below the trainer's
     600 s request timeout, so the proxy's answer, not a client timeout, is what the run reports."""
+    load_timeout_s: float = Field(540.0, gt=0, le=TRAINER_CONTROL_TIMEOUT_S - CONTROL_ANSWER_MARGIN_S)
+    """Seconds one `/v1/load_lora_adapter` may take at the proxy from end to end: waiting for an active
+    replica, for the adapter lock (catch-ups hold it), the all-or-nothing load, its rollback and the
+    retries while every replica is down. A broadcast starts only while one load and its rollback still
+    fit (2 x load_deadline_s + health_timeout_s); past that the load is answered 504 with nothing
+    loaded. At most the trainer's 600 s client timeout less 30 s, so the trainer gets the answer."""
     num_cpus: float = Field(0.0, ge=0)
     """CPUs the proxy actor reserves."""
     max_restarts: int = Field(3, ge=0)
     """Times Ray restarts the proxy actor after its process died. The new one binds the same address,
     and the run's pool controller hands it the generators, which tell it what they hold: it serves again
     once they caught up, with the versions they serve routable. Clients retry meanwhile (bounded)."""
+
+    @property
+    def broadcast_s(self) -> float:
+        """The longest one load broadcast takes once started: each replica's load (load_deadline_s), the
+        health probe that judges a failed one (health_timeout_s), the rollback (load_deadline_s)."""
+        return 2 * self.load_deadline_s + self.health_timeout_s
+
+    @model_validator(mode="after")
+    def _a_load_fits_its_deadline(self) -> ProxyConfig:
+        if self.load_timeout_s <= self.broadcast_s:
+            raise ValueError(
+                f"proxy.load_timeout_s={self.load_timeout_s:g} leaves no time for one load broadcast "
+                f"(2 x load_deadline_s + health_timeout_s = {self.broadcast_s:g} s): raise it or lower those"
+            )
+        return self
 
     @model_validator(mode="after")
     def _n_fits_a_request(self) -> ProxyConfig:

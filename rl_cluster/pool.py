@@ -13,7 +13,9 @@ routed), asks the policy (rl_cluster.core.scaling) what to do, and does it with 
   actor is killed); the autoscaler removes the node once it idles.
 - **replace**: a replica whose node Ray is draining (`ray drain-node`, the autoscaler's answer to a spot
   termination notice) is shrunk before the drain's deadline and a new generator is started at once; Ray
-  places nothing new on a draining node, so it lands elsewhere (or on a node the autoscaler adds).
+  places nothing new on a draining node, so it lands elsewhere (or on a node the autoscaler adds). At
+  most one replacement per replica, never past max_replicas (rl_cluster.core.replacement); a replica
+  whose drain fails is stopped all the same (its node is going).
 - **mend**: a generator actor Ray restarted (its process died, its node was lost) gets its vLLM started
   again (`Cluster.revive`); every spell out of routing is recorded (rl_cluster.core.replica_history).
 
@@ -35,14 +37,15 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rl_cluster.cluster import draining_nodes
 from rl_cluster.config import GeneratorConfig
+from rl_cluster.core.replacement import Replacements, evacuation
 from rl_cluster.core.replica_history import NODE_DRAINED, REMOVED
 from rl_cluster.core.scaling import (
     Decision,
     PoolSnapshot,
-    ReplicaLoad,
     ScaleEvent,
     ScalingPolicy,
     ScalingRules,
+    snapshot,
 )
 
 logger = logging.getLogger(__name__)
@@ -51,13 +54,6 @@ logger = logging.getLogger(__name__)
 # registered under a fixed one that `jobs/scale.py` (another driver) can look in.
 NAMESPACE = "rl_cluster"
 FIRST_REQUEST_POLL_S = 0.25
-# A drained replica's requests must be done this long before its node's deadline (its vLLM must stop
-# and leave the proxy while the node is still there).
-DRAIN_MARGIN_S = 10.0
-# Proxy states of a replica on its way in (registered, loading the live versions) and of one that is out
-# for now but comes back by itself (its server is being restarted).
-ARRIVING = ("joining", "catching_up")
-OUT_FOR_NOW = ("unhealthy",)
 
 
 def pool_actor_name(run_name: str) -> str:
@@ -74,30 +70,6 @@ def rules_for(g: GeneratorConfig) -> ScalingRules:
         down_window_s=g.scale_down_window_s,
         cooldown_s=g.scale_cooldown_s,
     )
-
-
-def snapshot(
-    generators, stats: dict, now: float, leaving: set[str], replacing: int
-) -> tuple[PoolSnapshot, dict]:
-    """The policy's view of the run's `generators`, in the order they joined (replicas the proxy has from
-    elsewhere are not the pool's to count or stop), from the proxy's `stats`. `leaving`: replicas on their
-    way out; `replacing`: replacements of drained replicas, counted before their actors exist."""
-    proxy_view = stats.get("replicas", {})
-    serving: dict[str, ReplicaLoad] = {}
-    starting, out, gone = [], [], []
-    for rid in generators:
-        state = proxy_view.get(rid, {}).get("state")
-        if rid in leaving:
-            gone.append(rid)
-        elif state == "active":
-            serving[rid] = ReplicaLoad(proxy_view[rid]["in_flight"], proxy_view[rid]["requests"])
-        elif state in OUT_FOR_NOW:
-            out.append(rid)
-        elif state is None or state in ARRIVING:
-            starting.append(rid)  # waiting for a node, starting vLLM, or catching up
-    snap = PoolSnapshot(now, serving, starting=len(starting) + replacing, unavailable=len(out),
-                        queued=stats.get("queued", 0))  # fmt: skip
-    return snap, {"serving": list(serving), "starting": starting, "unavailable": out, "leaving": gone}
 
 
 async def first_request(proxy, new: list[str], event: ScaleEvent, decided: float) -> None:
@@ -133,10 +105,10 @@ class PoolController:
         self.policy = ScalingPolicy(rules_for(self.g))
         self.events: list[ScaleEvent] = []
         self._leaving: set[str] = set()
-        # Replicas leaving a draining node whose replacement is on its way: the policy counts them as
-        # starting, or it would see a hole and add a second replacement.
-        self._replacing: set[str] = set()
-        self._growing = asyncio.Lock()  # one add at a time: the actors it creates are then known
+        self.replacements = Replacements(self.policy.rules.max_replicas)  # of replicas on draining nodes
+        # One add at a time, so the actors an add creates are known. Only adds take it: a proxy restore
+        # must never wait behind an add, which can wait up to generator.scale_up_timeout_s for a node.
+        self._growing = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.Task | None = None
         self._watch: asyncio.Task | None = None  # the current look after the generators (_mend)
@@ -159,12 +131,12 @@ class PoolController:
         """Mode, bounds, replicas by condition, and every scale event so far."""
         stats = await self.cluster.proxy.stats.remote()
         snap, by_state = self._snapshot(stats)
-        low, high = self.policy.rules.min_replicas, self.policy.rules.max_replicas
+        rules = self.policy.rules
         return {
             "mode": "automatic" if self.policy.manual_target is None else "manual",
             "target": self.policy.manual_target,
-            "min_replicas": low,
-            "max_replicas": high,
+            "min_replicas": rules.min_replicas,
+            "max_replicas": rules.max_replicas,
             "size": snap.size,
             **by_state,
             "events": await self.scale_events(),
@@ -210,8 +182,8 @@ class PoolController:
                 asked = time.time()  # a call to a dead proxy waits here until Ray restarted it
                 if await self.cluster.proxy.awaiting_restore.remote():
                     # Ray restarted the proxy (its process died): only this actor knows the generators.
-                    async with self._growing:  # not while an add registers a generator with it
-                        await self.cluster.restore_proxy()
+                    # Not under _growing (see __init__): one an add starts registers by itself.
+                    await self.cluster.restore_proxy()
                     self.proxy_restores += 1
                     self.cluster.history.record("proxy", "proxy restarted by Ray", asked, time.time() - asked)
                 await self._evacuate_draining()
@@ -240,39 +212,36 @@ class PoolController:
                 self._leave(rid)
 
     async def _evacuate_draining(self) -> None:
-        """Replicas on a node Ray is draining leave it before its deadline, each replaced at once."""
+        """Replicas on a node Ray is draining leave it before its deadline, each replaced at once (once
+        per replica, within max_replicas: rl_cluster.core.replacement)."""
         draining = await asyncio.to_thread(draining_nodes)
         for rid in list(self.cluster.generators):
             stint = self.cluster.history.current(rid)
             if stint is not None and stint.node_id in draining and rid not in self._leaving:
                 self._leaving.add(rid)
-                self._replacing.add(rid)
-                self._spawn(self._replace(rid, stint.address, draining[stint.node_id]))
+                replace = self.replacements.grant(rid, len(self.cluster.generators) - len(self._leaving))
+                self._spawn(self._replace(rid, stint.address, draining[stint.node_id], replace))
 
-    async def _replace(self, rid: str, address: str, deadline: float | None) -> None:
-        """Start a replacement and drain `rid` at once (its in-flight requests finish, bounded so that it
-        stops DRAIN_MARGIN_S before the deadline); the fault is recorded with the replacement's start."""
+    async def _replace(self, rid: str, address: str, deadline: float | None, replace: bool = True) -> None:
+        """Start a replacement (unless `replace` is False: it had one, or there is no room) and drain `rid`
+        at once (rl_cluster.core.replacement.evacuation bounds it); the fault is recorded with the
+        replacement's start."""
         now, decided = time.time(), time.monotonic()
-        left = None if deadline is None else deadline - now
-        budget = (
-            self.g.drain_timeout_s
-            if left is None
-            else max(0.0, min(self.g.drain_timeout_s, left - DRAIN_MARGIN_S))
-        )
         size = len(self.cluster.generators) - len(self._leaving) + 1
-        notice = f"its node {address} is draining" + (
-            f" (deadline in {left:.0f} s)" if left is not None else ""
-        )
-        event = ScaleEvent(now, size, size, f"{rid} replaced: {notice}", replicas=[rid])
+        event, budget, notice = evacuation(rid, address, deadline, now, self.g.drain_timeout_s, size, replace)
         self.events.append(event)
-        print(f"pool: {rid} leaves: {notice}; a replacement starts now", flush=True)
+        then = "a replacement starts now" if replace else "no replacement (it had one, or max_replicas)"
+        print(f"pool: {rid} leaves: {notice}; {then}", flush=True)
         fault = self.cluster.history.record(rid, f"{NODE_DRAINED} ({address})", now, None)
+        shrink = self._shrink(rid, event, decided, budget, NODE_DRAINED, stop_anyway=True)
         try:
-            await asyncio.gather(
-                self._grow(1, event, decided), self._shrink(rid, event, decided, budget, NODE_DRAINED)
-            )
+            if replace:
+                made = self.replacements.pending[rid]
+                await asyncio.gather(self._grow(1, event, decided, made=made), shrink)
+            else:
+                await shrink
         finally:
-            self._replacing.discard(rid)
+            self.replacements.done(rid)
         fault.recovered_s = event.ready_s
 
     def _leave(self, rid: str) -> None:
@@ -308,7 +277,8 @@ class PoolController:
         return decision
 
     def _snapshot(self, stats: dict) -> tuple[PoolSnapshot, dict]:
-        return snapshot(self.cluster.generators, stats, time.monotonic(), self._leaving, len(self._replacing))
+        unstarted = self.replacements.unstarted()
+        return snapshot(self.cluster.generators, stats, time.monotonic(), self._leaving, unstarted)
 
     def _apply(self, decision: Decision, size: int) -> None:
         event = ScaleEvent(time.time(), size, size + decision.add - len(decision.remove), decision.reason)
@@ -328,13 +298,18 @@ class PoolController:
 
     # -- doing it -----------------------------------------------------------------------------------
 
-    async def _grow(self, count: int, event: ScaleEvent, decided: float) -> None:
+    async def _grow(
+        self, count: int, event: ScaleEvent, decided: float, made: list[str] | None = None
+    ) -> None:
+        """Add `count` generators; `made` (a replacement's pending entry) gets their ids once they exist."""
         async with self._growing:
             before = set(self.cluster.generators)
             adding = asyncio.ensure_future(self.cluster.add_generators(count))
             await asyncio.sleep(0)  # add_generators creates its actors before its first await
             new = [rid for rid in self.cluster.generators if rid not in before]
             event.replicas.extend(new)
+            if made is not None:
+                made.extend(new)
             try:
                 await asyncio.wait_for(adding, self.g.scale_up_timeout_s)
             except BaseException as e:  # timed out (no node came), failed to start, or the run ends
@@ -349,20 +324,23 @@ class PoolController:
         await first_request(self.cluster.proxy, new, event, decided)
 
     async def _shrink(self, rid: str, event: ScaleEvent, decided: float, timeout_s: float | None = None,
-                      why: str = REMOVED) -> None:  # fmt: skip
+                      why: str = REMOVED, stop_anyway: bool = False) -> None:  # fmt: skip
+        """Drain `rid` in the proxy, then stop it. A failed drain keeps it unless `stop_anyway` (its node is
+        going whatever the drain says, and else it would be seen on that node again next round)."""
         try:
             timeout_s = self.g.drain_timeout_s if timeout_s is None else timeout_s
-            drained = await self.cluster.proxy.drain_replica.remote(rid, timeout_s)
+            try:
+                drained = await self.cluster.proxy.drain_replica.remote(rid, timeout_s)
+            except Exception as e:
+                if not stop_anyway:
+                    raise
+                print(f"pool: draining {rid} failed ({type(e).__name__}: {e}); it stops anyway", flush=True)
+                drained = {"drain_s": 0.0}
             # It left routing and nothing is in flight (or the drain timed out): leave the proxy, stop.
             await self.cluster.remove_generator(rid, why)
-            event.drain[rid] = {
-                "in_flight_at_start": drained["in_flight_at_start"],
-                "in_flight_left": drained["in_flight_left"],
-                "drain_s": round(drained["drain_s"], 3),
-                "stopped_s": round(time.monotonic() - decided, 3),
-            }
-            print(f"pool: {rid} drained in {drained['drain_s']:.1f} s ({drained['in_flight_at_start']} in "
-                  f"flight when it began, {drained['in_flight_left']} left) and stopped", flush=True)  # fmt: skip
+            event.drained(rid, drained, time.monotonic() - decided)
+            print(f"pool: {rid} drained in {drained['drain_s']:.1f} s ({drained.get('in_flight_at_start')} in "
+                  f"flight when it began, {drained.get('in_flight_left')} left) and stopped", flush=True)  # fmt: skip
         except Exception as e:
             event.error = f"removing {rid}: {type(e).__name__}: {e}"
             print(f"pool: {event.error}", flush=True)

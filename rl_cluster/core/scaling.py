@@ -205,6 +205,12 @@ class ScaleEvent:
     draining, seconds until its server was stopped."""
     error: str | None = None
 
+    def drained(self, replica_id: str, drain: dict, stopped_s: float) -> None:
+        """Record a replica's drain (the proxy's answer; None counts where the drain failed) and stop."""
+        keep = ("in_flight_at_start", "in_flight_left")
+        self.drain[replica_id] = {**{k: drain.get(k) for k in keep}, "drain_s": round(drain.get("drain_s", 0.0), 3),
+                                  "stopped_s": round(stopped_s, 3)}  # fmt: skip
+
     def as_dict(self) -> dict:
         return {
             "time": round(self.time, 3),
@@ -217,3 +223,33 @@ class ScaleEvent:
             "drain": dict(self.drain),
             "error": self.error,
         }
+
+
+# Proxy states of a replica on its way in (registered, loading the live versions) and of one that is out
+# for now but comes back by itself (its server is being restarted).
+ARRIVING = ("joining", "catching_up")
+OUT_FOR_NOW = ("unhealthy",)
+
+
+def snapshot(
+    generators, stats: dict, now: float, leaving: set[str], replacing: int
+) -> tuple[PoolSnapshot, dict]:
+    """The policy's view of the run's `generators`, in the order they joined (replicas the proxy has from
+    elsewhere are not the pool's to count or stop), from the proxy's `stats`. `leaving`: replicas on their
+    way out; `replacing`: replacements of drained replicas, counted before their actors exist."""
+    proxy_view = stats.get("replicas", {})
+    serving: dict[str, ReplicaLoad] = {}
+    starting, out, gone = [], [], []
+    for rid in generators:
+        state = proxy_view.get(rid, {}).get("state")
+        if rid in leaving:
+            gone.append(rid)
+        elif state == "active":
+            serving[rid] = ReplicaLoad(proxy_view[rid]["in_flight"], proxy_view[rid]["requests"])
+        elif state in OUT_FOR_NOW:
+            out.append(rid)
+        elif state is None or state in ARRIVING:
+            starting.append(rid)  # waiting for a node, starting vLLM, or catching up
+    snap = PoolSnapshot(now, serving, starting=len(starting) + replacing, unavailable=len(out),
+                        queued=stats.get("queued", 0))  # fmt: skip
+    return snap, {"serving": list(serving), "starting": starting, "unavailable": out, "leaving": gone}

@@ -52,13 +52,16 @@ class VersionBook:
 
     # -- replicas -------------------------------------------------------------------------------------
 
-    def add_replica(self, replica_id: str, ever_loaded: set[str] = frozenset(), served: int = 0) -> None:
+    def add_replica(
+        self, replica_id: str, ever_loaded: set[str] = frozenset(), served: int = 0, down: bool = False
+    ) -> None:
         """`ever_loaded`, `served`: what an earlier life of the replica loaded and was sent (its server was
-        replaced)."""
+        replaced). `down`: registered unhealthy (a replica a restarted proxy could not reach: the health
+        watch catches it up when it answers)."""
         if replica_id in self._state:
             raise ValueError(f"replica {replica_id!r} is already registered")
         self.loads.add(replica_id, served=served)
-        self._set_state(replica_id, ReplicaState.JOINING)
+        self._set_state(replica_id, ReplicaState.UNHEALTHY if down else ReplicaState.JOINING)
         self._loaded[replica_id] = set()
         self._ever_loaded[replica_id] = set(ever_loaded)
 

@@ -5,6 +5,12 @@ the name becomes routable only when every one confirmed; a replica that turns ou
 leaves routing instead of failing the load, and catches up when it is back. An unload closes the name at
 once and each replica unloads it when its last request for it ends. The pool's adapter lock serialises
 loads, closes and catch-ups, so a replica that catches up cannot miss a version published meanwhile.
+
+One load has one deadline, `proxy.load_timeout_s`, below the trainer's client timeout: every step
+before the broadcast (waiting for an active replica, for the lock, for a replica to return when all
+were down) ends in time for one broadcast, whose own steps are bounded per replica (ProxyConfig.
+broadcast_s), to finish by then. A load that cannot start in time fails with LoadTimedOut (504) having
+loaded nothing, so the client always learns the outcome from the answer.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import time
 from collections.abc import Callable, Coroutine
 
 from rl_cluster.config import ProxyConfig
+from rl_cluster.core.deadline import Deadline
 from rl_cluster.core.versions import ReplicaState, VersionBook
 from rl_cluster.errors import AdapterError, AdapterNotFound, ReplicaTimeout
 from rl_cluster.proxy.broadcast import LoadFailed, load_everywhere, unload_within
@@ -31,6 +38,16 @@ class AdapterExists(Exception):
 
 class NoActiveReplica(Exception):
     """Nothing to broadcast to: no replica is active."""
+
+
+class LoadTimedOut(Exception):
+    """A load could not begin its broadcast in time to end by proxy.load_timeout_s; nothing was loaded."""
+
+    def __init__(self, name: str, timeout_s: float, waiting_for: str):
+        super().__init__(
+            f"loading adapter {name!r}: still waiting for {waiting_for} when a broadcast could no longer "
+            f"end within proxy.load_timeout_s={timeout_s:g}; nothing was loaded"
+        )
 
 
 class AdapterBroadcasts:
@@ -57,16 +74,19 @@ class AdapterBroadcasts:
 
     async def load(self, name: str, path: str) -> list[str]:
         """Load `name` on every active replica, all-or-nothing; it is routable when this returns. Returns
-        the replicas it went to. Raises AdapterExists, NoActiveReplica or broadcast.LoadFailed."""
-        deadline = time.monotonic() + self.config.unavailable_timeout_s
+        the replicas it went to. Raises AdapterExists, NoActiveReplica, LoadTimedOut or broadcast.LoadFailed.
+        Over by proxy.load_timeout_s, whatever the replicas do."""
+        # A broadcast must start by `start_by` to end by the load's deadline.
+        start_by = Deadline.after(self.config.load_timeout_s - self.config.broadcast_s)
+        waiting = Deadline.after(self.config.unavailable_timeout_s)  # for a replica, when all were down
         while True:
             try:
-                targets = await self._load_once(name, path)
+                targets = await self._load_once(name, path, start_by)
                 break
             except LoadFailed as e:
                 # Every replica it went to turned out to be down (a one-replica run whose engine just
                 # died): like a request, the sync waits for one to come back, bounded.
-                if not e.all_down or time.monotonic() >= deadline:
+                if not e.all_down or start_by.expired or waiting.expired:
                     raise
                 logger.warning("every replica was down while loading %s: waiting for one to return", name)
         # A target may have left meanwhile (a drained replica's generator stops during the load).
@@ -74,33 +94,46 @@ class AdapterBroadcasts:
         logger.info("adapter %s routable on %s", name, routable_on)
         return routable_on
 
-    async def _load_once(self, name: str, path: str) -> list[str]:
-        """One all-or-nothing load over the replicas active now; returns them (raises as `load`)."""
+    async def _load_once(self, name: str, path: str, start_by: Deadline) -> list[str]:
+        """One all-or-nothing load over the replicas active now, begun by `start_by`; returns them (raises
+        as `load`)."""
         # Outside the lock: a returning replica's catch-up takes it before the replica is active.
-        await self.health.wait_for_active()
-        async with self.lock:
-            if self.book.known(name):
-                raise AdapterExists(name)
-            targets = self.book.active()
-            if not targets:
-                raise NoActiveReplica()
-            start = time.monotonic()
-            try:
-                await load_everywhere(
-                    name,
-                    path,
-                    {r: self.replicas[r].loader for r in targets},
-                    retry_s=self.config.load_retry_interval_s,
-                    deadline_s=self.config.load_deadline_s,
-                    # A replica removed meanwhile is not marked.
-                    loaded=lambda r: self.book.mark_loaded(r, name) if r in self.replicas else None,
-                    holders=lambda: self.book.holders(name),
-                    unloaded=lambda r: self.book.mark_unloaded(r, name),
-                    down=self.health.is_down,
-                )
-            finally:
-                self.latency.observe("load", time.monotonic() - start)
-            self.book.publish(name, path)
+        await self.health.wait_for_active(start_by.within(self.config.unavailable_timeout_s))
+        try:
+            # Catch-ups hold the lock for as long as their loads take (versions x load_deadline_s).
+            async with asyncio.timeout(start_by.left()):
+                await self.lock.acquire()
+        except TimeoutError:
+            raise LoadTimedOut(name, self.config.load_timeout_s, "the adapter lock (catch-ups)") from None
+        try:
+            return await self._broadcast(name, path)
+        finally:
+            self.lock.release()
+
+    async def _broadcast(self, name: str, path: str) -> list[str]:
+        """The load itself, under the lock: bounded by ProxyConfig.broadcast_s."""
+        if self.book.known(name):
+            raise AdapterExists(name)
+        targets = self.book.active()
+        if not targets:
+            raise NoActiveReplica()
+        start = time.monotonic()
+        try:
+            await load_everywhere(
+                name,
+                path,
+                {r: self.replicas[r].loader for r in targets},
+                retry_s=self.config.load_retry_interval_s,
+                deadline_s=self.config.load_deadline_s,
+                # A replica removed meanwhile is not marked.
+                loaded=lambda r: self.book.mark_loaded(r, name) if r in self.replicas else None,
+                holders=lambda: self.book.holders(name),
+                unloaded=lambda r: self.book.mark_unloaded(r, name),
+                down=self.health.is_down,
+            )
+        finally:
+            self.latency.observe("load", time.monotonic() - start)
+        self.book.publish(name, path)
         return targets
 
     async def close(self, name: str) -> bool:

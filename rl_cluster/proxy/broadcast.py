@@ -159,9 +159,10 @@ async def load_everywhere(
 async def _roll_back(
     name: str, holders: dict[str, AdapterLoader], deadline_s: float, unloaded: Callable[[str], None]
 ) -> list[str]:
-    """Unload `name` from the replicas that loaded it, each within `deadline_s`; returns those it left."""
-    rolled_back = []
-    for replica_id, loader in holders.items():
+    """Unload `name` from the replicas that loaded it, all at once, each within `deadline_s` (one after
+    the other, N replicas took N deadlines: the load's answer came too late); returns those it left."""
+
+    async def one(replica_id: str, loader: AdapterLoader) -> bool:
         try:
             await unload_within(loader, name, deadline_s)
         except AdapterNotFound:
@@ -169,7 +170,9 @@ async def _roll_back(
         except Exception:
             # It stays marked loaded (the name stays taken) so that an unload can still remove it.
             logger.exception("rollback of adapter %s on replica %s failed", name, replica_id)
-            continue
-        rolled_back.append(replica_id)
+            return False
         unloaded(replica_id)
-    return rolled_back
+        return True
+
+    done = await asyncio.gather(*(one(r, loader) for r, loader in holders.items()))
+    return [r for r, ok in zip(holders, done, strict=True) if ok]

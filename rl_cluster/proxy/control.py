@@ -10,6 +10,7 @@ from urllib.parse import urlencode
 from aiohttp import web
 
 from rl_cluster.config import ProxyConfig
+from rl_cluster.proxy.adapters import LoadTimedOut
 from rl_cluster.proxy.answers import error_response, no_active_replica, read_json
 from rl_cluster.proxy.broadcast import LoadFailed
 from rl_cluster.proxy.replicas import AdapterExists, NoActiveReplica, ReplicaPool
@@ -66,6 +67,9 @@ class ControlRoutes:
             )
         except NoActiveReplica:
             return no_active_replica(waited_s=self.config.unavailable_timeout_s)
+        except LoadTimedOut as e:
+            logger.error("%s", e)
+            return error_response(504, str(e), "AdapterLoadTimeout")
         except LoadFailed as e:
             logger.error("%s", e)
             replicas = {r: str(err) for r, err in e.failures.items()}

@@ -10,18 +10,45 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import aiohttp
 
+from rl_cluster.errors import ReplicaDown
 from rl_cluster.proxy.adapter_loader import INFO_TIMEOUT, AdapterLoader
 
 logger = logging.getLogger(__name__)
+
+
+class Member(NamedTuple):
+    """What a proxy needs to route to a replica, as its generator tells it (GeneratorActor.membership
+    answers this shape as a plain tuple: `Member(*answer)`)."""
+
+    url: str
+    control: AdapterLoader | None
+    """Loads adapters on it (None: straight through its vLLM HTTP routes)."""
+    capacity: int | None
+    held: dict[str, str]
+    """The adapter versions its server holds -> the bucket paths they came from."""
+
+
+class NotReached:
+    """The loader of a replica registered down before the proxy reached it: nothing is sent to a replica
+    that is down (broadcasts go to active ones), and its catch-up registers it anew with its own."""
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        raise ReplicaDown("not reached yet: where it serves is not known")
+
+    async def unload_adapter(self, name: str) -> None:
+        raise ReplicaDown("not reached yet: where it serves is not known")
 
 
 @dataclass
 class Replica:
     replica_id: str
     url: str
+    """"" while not known: a replica registered down because its generator did not answer (the health
+    watch asks it again, rl_cluster.proxy.replicas.ReplicaPool.rejoin)."""
     loader: AdapterLoader
     capacity: int | None = None
     """Concurrent sequences it runs (vLLM max_num_seqs): routing compares loads relative to it. None

@@ -14,6 +14,8 @@ A replica's life (the states are rl_cluster.core.versions.ReplicaState; VersionB
 Catching up is the same whether a replica is new or returning: read back what it serves, load what it
 lacks, unload what was closed while it was away, match the pause state, activate. Because adapters
 arrive by path from the bucket, it needs nothing from the other replicas.
+A replica the proxy could not reach (a restarted proxy's restore) is registered down rather than left
+out, and one it does not know that reports back is registered: rl_cluster.proxy.rejoin.
 
 The pool holds the registry and the membership steps (joining, catching up, draining, request counts);
 the rest of a replica's life is in the parts it is composed of, each over the same registry:
@@ -43,10 +45,11 @@ from rl_cluster.proxy.forward import ReplicaFailed
 from rl_cluster.proxy.health import HealthWatch
 from rl_cluster.proxy.metrics import LatencyHistogram
 from rl_cluster.proxy.pausing import PauseCoordinator
-from rl_cluster.proxy.replica import Replica, learn_capacity
+from rl_cluster.proxy.rejoin import Rejoins
+from rl_cluster.proxy.replica import Member, Replica, learn_capacity
 
 # The server and the dispatcher meet the pool's record, errors and admin timeout here, with the pool.
-__all__ = ["INFO_TIMEOUT", "AdapterExists", "NoActiveReplica", "Replica", "ReplicaPool"]
+__all__ = ["INFO_TIMEOUT", "AdapterExists", "Member", "NoActiveReplica", "Replica", "ReplicaPool"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +74,15 @@ class ReplicaPool:
         self._background: set[asyncio.Task] = set()
         self._drained = asyncio.Event()
         # Pause/resume reach every replica but those known to be down (catch-up syncs them on return).
-        self.health = HealthWatch(config, self.replicas, self.book, self.spawn, self._catch_up_again)
+        self.health = HealthWatch(
+            config,
+            self.replicas,
+            self.book,
+            self.spawn,
+            self._catch_up_again,
+            lambda r: self.rejoins.rejoin(r),
+        )
+        self.rejoins = Rejoins(config, self.replicas, self.book, self.health, self.add)
         self.pausing = PauseCoordinator(
             config.pause_lease_s,
             lambda: [self.replicas[r] for r in self.book.in_state(*REACHABLE)],
@@ -226,6 +237,7 @@ class ReplicaPool:
 
     async def remove(self, replica_id: str, drain_timeout_s: float) -> None:
         """Stop routing to the replica, wait (bounded) for its in-flight requests, then forget it."""
+        self.rejoins.removed.add(replica_id)  # for good: a late report from it must not register it again
         if replica_id not in self.replicas:
             raise KeyError(f"unknown replica {replica_id!r}")
         await self.drain(replica_id, drain_timeout_s)

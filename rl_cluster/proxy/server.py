@@ -15,6 +15,7 @@ with a single bounded pool).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
@@ -32,7 +33,7 @@ from rl_cluster.proxy.control import ControlRoutes
 from rl_cluster.proxy.dispatch import Dispatcher
 from rl_cluster.proxy.forward import data_timeout
 from rl_cluster.proxy.metrics import CONTENT_TYPE, ProxyMetrics
-from rl_cluster.proxy.replicas import INFO_TIMEOUT, ReplicaPool, replica_stats
+from rl_cluster.proxy.replicas import INFO_TIMEOUT, Member, ReplicaPool, replica_stats
 from rl_cluster.proxy.validation import (
     Invalid,
     check_generation,
@@ -55,6 +56,9 @@ class ProxyServer:
     call to a replica, never forwarded from or shown to clients. None: replicas without a key.
     `max_model_len`: the context the replicas serve (model.max_model_len); requests that cannot fit it are
     refused here. None: not checked (left to the replicas).
+    `find`: asks a replica's generator where it serves (None while it has no server), for a replica the
+    proxy could not reach or does not know (ReplicaPool.rejoin). None: such a replica waits until it
+    registers itself.
     """
 
     def __init__(
@@ -63,6 +67,7 @@ class ProxyServer:
         adapter_root: str | None = None,
         replica_key: str | None = None,
         max_model_len: int | None = None,
+        find: Callable[[str], Awaitable[Member | None]] | None = None,
     ):
         self.config = config
         self.adapter_root = adapter_root
@@ -71,6 +76,7 @@ class ProxyServer:
         self.metrics = ProxyMetrics(self.stats)
         self.broadcast_latency = self.metrics.broadcast_latency
         self._pool = ReplicaPool(config, self.broadcast_latency)
+        self._pool.rejoins.find = find
         self._dispatch = Dispatcher(config, self._pool)
         self._control = ControlRoutes(config, self._pool, adapter_root)
         self._runner: web.AppRunner | None = None
@@ -141,25 +147,27 @@ class ProxyServer:
         `control` loads adapters on it (None: straight through its vLLM HTTP routes). `capacity`: the
         sequences it runs at once (None: the proxy asks its vLLM server)."""
         url = url.rstrip("/")
-        loader = control or HttpAdapterLoader(url, self._admin_session)
-        await self._pool.add(replica_id, url, loader, capacity)
+        await self._pool.add(replica_id, url, self._loader(Member(url, control, capacity, {})), capacity)
 
-    async def restore(
-        self, members: dict[str, tuple[str, AdapterLoader | None, int | None, dict[str, str]]]
-    ) -> None:
-        """Rebuild a restarted proxy's state from the replicas it had: `members` is replica id -> (url,
-        control, capacity, held), `held` the adapter versions the replica serves and the bucket paths
-        they came from. Every version some replica holds becomes routable again (loaded on the others
+    def _loader(self, member: Member) -> AdapterLoader:
+        return member.control or HttpAdapterLoader(member.url.rstrip("/"), self._admin_session)
+
+    async def restore(self, members: dict[str, Member], unreached: dict[str, str] | None = None) -> None:
+        """Rebuild a restarted proxy's state from the replicas it had: `members` is replica id -> Member
+        (url, control, capacity, held), `held` the adapter versions the replica serves and the bucket
+        paths they came from. Every version some replica holds becomes routable again (loaded on the others
         by their catch-up: a version whose broadcast the old proxy did not finish is completed, not lost);
-        the replicas register one by one, and each catches up (and is resumed) before it serves."""
-        self._pool.adopt({name: path for *_, held in members.values() for name, path in held.items()})
-        for replica_id, (url, control, capacity, _) in members.items():
-            try:
-                await self.add_replica(replica_id, url, control, capacity)
-            except Exception as e:  # the others still serve; this one comes back through its own restart
-                logger.warning(
-                    "replica %s could not rejoin the restarted proxy: %s: %s", replica_id, type(e).__name__, e
-                )
+        each replica catches up (and is resumed) before it serves. One that cannot (its server is
+        mid-restart), and each of `unreached` (replica id -> why its generator did not answer), is
+        registered down: the health watch takes it back when it answers."""
+        members = {rid: Member(*m) for rid, m in members.items()}
+        self._pool.adopt({name: path for m in members.values() for name, path in m.held.items()})
+        for replica_id, why in (unreached or {}).items():
+            self._pool.rejoins.register_down(replica_id, f"did not answer the proxy's restore: {why}")
+        await asyncio.gather(
+            *(self._pool.rejoins.admit(rid, m._replace(url=m.url.rstrip("/"), control=self._loader(m)))
+              for rid, m in members.items())
+        )  # fmt: skip
 
     async def remove_replica(self, replica_id: str, drain_timeout_s: float = 300.0) -> None:
         """Stop routing to the replica, wait (bounded) for its in-flight requests, then forget it."""
@@ -170,7 +178,8 @@ class ProxyServer:
         self._pool.report_down(replica_id, reason)
 
     async def report_back(self, replica_id: str) -> None:
-        """The replica's server was restarted: reload every live version on it, then route to it again."""
+        """The replica's server was restarted: reload every live version on it, then route to it again.
+        One the proxy does not know (or knows only by name) is registered (ReplicaPool.rejoin)."""
         await self._pool.report_back(replica_id)
 
     async def check_health(self) -> None:

@@ -3,14 +3,23 @@
 TRL's VLLMClient sends no Authorization header, so with `proxy.auth_token` set its load/unload calls
 would get 401; the trainer's adapter lifecycle uses this client instead (TRL's stays for its probes at
 start-up, /health, /server_info and /v1/models, through compat's AuthorizedVLLMClient).
+
+The proxy answers a load within proxy.load_timeout_s, below this client's timeout. Should the answer
+still be lost to a timeout (a proxy stalled, a network that dropped it), the client asks the proxy
+whether the version is routable before it fails the sync: the load may have succeeded.
 """
 
 from __future__ import annotations
 
+import logging
+
 import requests
 
+from rl_cluster.config import TRAINER_CONTROL_TIMEOUT_S
 from rl_cluster.core.retry import RetriesExhausted, RetryPolicy
 from rl_cluster.trainer.http import HttpClient, unreachable
+
+logger = logging.getLogger(__name__)
 
 
 class ProxyControlError(RuntimeError):
@@ -19,7 +28,11 @@ class ProxyControlError(RuntimeError):
 
 class ProxyClient:
     def __init__(
-        self, url: str, auth_token: str | None = None, timeout_s: float = 600.0, reconnect_s: float = 180.0
+        self,
+        url: str,
+        auth_token: str | None = None,
+        timeout_s: float = TRAINER_CONTROL_TIMEOUT_S,
+        reconnect_s: float = 180.0,
     ):
         """`reconnect_s`: how long a call keeps trying while the proxy does not answer at all (Ray
         restarts a proxy whose process died, on the same address: proxy.max_restarts). Only an unreachable
@@ -35,6 +48,7 @@ class ProxyClient:
         self.url = self.http.base_url
         self.auth_token = auth_token  # also what the rollout loop and the eval send (compat item 19)
         self.reconnect_s = reconnect_s
+        self.timeout_s = timeout_s
 
     def _request(self, method: str, route: str, **kwargs) -> requests.Response:
         try:
@@ -54,8 +68,19 @@ class ProxyClient:
             ) from e
 
     def load_adapter(self, name: str, path: str) -> None:
-        """Returns once every active replica verified and loaded `name`; it is routable from then on."""
-        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        """Returns once every active replica verified and loaded `name`; it is routable from then on. When
+        no answer came in time, the proxy is asked whether `name` is routable: a load that succeeded
+        returns, one that did not raises ProxyControlError."""
+        try:
+            self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        except requests.Timeout as e:
+            if name not in self.routable_adapters():
+                raise ProxyControlError(
+                    f"proxy gave no answer to loading {name!r} within {self.timeout_s:g} s, and does not "
+                    "route it: the load failed or is still under way"
+                ) from e
+            logger.warning("proxy gave no answer to loading %s within %g s, but routes it: loaded",
+                           name, self.timeout_s)  # fmt: skip
 
     def unload_adapter(self, name: str) -> None:
         """Closes `name` to new requests; replicas unload it once its in-flight requests finish."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from rl_cluster.config import load_config
+from rl_cluster.core.scaling import ScaleEvent
 from rl_cluster.pool import PoolController
 
 
@@ -115,4 +116,95 @@ async def test_a_replica_on_a_draining_node_is_replaced_once_and_the_policy_sees
     assert event.drain["g0"]["in_flight_left"] == 0 and event.ready_s is not None
     (fault,) = cluster.history.fault_list()
     assert (fault["who"], fault["what"]) == ("g0", "node drained (10.0.0.3)") and fault["recovered_s"] >= 0
-    assert not pool._replacing and not pool._leaving
+    assert not pool.replacements.pending and not pool._leaving
+
+
+class FailingDrainCluster(DrainingCluster):
+    """As DrainingCluster, but the proxy does not know g0 (a restarted proxy that lost it): its drain
+    fails. Replacements start at once, each with a new id."""
+
+    def __init__(self):
+        super().__init__()
+        self.started.set()
+        self.adds = 0
+
+    async def _drain(self, rid, timeout_s):
+        raise KeyError(f"unknown replica {rid!r}")
+
+    async def add_generators(self, count):
+        self.adds += 1
+        rid = f"g{1 + self.adds}"
+        self.generators[rid] = object()
+        return [rid]
+
+
+async def test_a_replica_whose_drain_fails_is_replaced_once_and_stopped_all_the_same(monkeypatch):
+    import rl_cluster.pool as pool_module
+
+    cluster = FailingDrainCluster()
+    monkeypatch.setattr(pool_module, "draining_nodes", lambda: {"n3": None})
+    pool = PoolController(cluster)
+    for _ in range(4):  # four rounds: before, each one whose drain had failed started one more replacement
+        await pool._evacuate_draining()
+        await asyncio.gather(*pool._tasks)
+    assert cluster.adds == 1 and cluster.removed == ["g0"] and set(cluster.generators) == {"g1", "g2"}
+    (event,) = pool.events
+    assert event.replicas == ["g0", "g2"] and not pool.replacements.pending and not pool._leaving
+
+
+def test_a_replica_gets_one_replacement_for_the_run_and_none_past_max_replicas():
+    from rl_cluster.core.replacement import Replacements
+
+    rules = Replacements(max_replicas=3)
+    assert rules.grant("g0", staying=2)
+    assert not rules.grant("g0", staying=2)  # seen again on its draining node: it is only stopped
+    assert rules.grant("g1", staying=1)  # two nodes drain at once: 1 staying + 1 on its way + 1
+    assert not rules.grant("g2", staying=2)  # 2 staying + 2 on their way + 1 would pass max_replicas
+    rules.pending["g0"].append("g3")  # g0's replacement's actor exists: the snapshot counts it now
+    assert rules.unstarted() == 1
+    rules.done("g0")
+    rules.done("g1")
+    assert rules.grant("g2", staying=2) and rules.replaced == {"g0", "g1", "g2"}
+
+
+class RestartedProxyCluster(DrainingCluster):
+    """g0 and g1 serving; a scale-out waits for a node (its add holds the pool's add lock), and then
+    Ray restarts the proxy."""
+
+    def __init__(self):
+        super().__init__()
+        self.config.generator.scale_interval_s = 0.01
+        self.proxy_restarted = False
+        self.restored = asyncio.Event()
+        self.proxy.awaiting_restore = Remote(self._awaiting_restore)
+
+    async def _awaiting_restore(self):
+        return self.proxy_restarted and not self.restored.is_set()
+
+    async def restore_proxy(self):
+        self.restored.set()
+
+    async def generators_to_mend(self):
+        return {}
+
+
+async def test_a_restarted_proxy_is_restored_while_a_scale_out_waits_for_a_node(monkeypatch):
+    import rl_cluster.pool as pool_module
+
+    cluster = RestartedProxyCluster()
+    monkeypatch.setattr(pool_module, "draining_nodes", lambda: {})
+    pool = PoolController(cluster)
+    pool._spawn(pool._grow(1, ScaleEvent(0.0, 2, 3, "demand"), 0.0))  # its node never comes (here)
+    await asyncio.sleep(0.05)
+    assert pool._growing.locked()
+    cluster.proxy_restarted = True
+    await pool.start()
+    try:
+        # Before, the restore waited for the add (up to generator.scale_up_timeout_s, 900 s): the
+        # proxy's port stayed closed past the trainer's 180 s reconnect window.
+        await asyncio.wait_for(cluster.restored.wait(), 2.0)
+        assert pool._growing.locked() and pool.proxy_restores == 1
+    finally:
+        cluster.started.set()  # the node came: the add ends
+        await asyncio.gather(*pool._tasks)
+        pool._loop.cancel()
