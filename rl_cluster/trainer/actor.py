@@ -237,6 +237,7 @@ class Trainer:
         now = self.trainer.group_counts()
         return {k: now[k] + self._groups_before.get(k, 0) for k in now}
 
+    @ray.method(concurrency_group="control")
     def report(self) -> dict:
         """What the run did so far: callable while train() runs (the actor has a second thread for it),
         so a stopped or failed run still gets its summary."""
@@ -253,12 +254,14 @@ class Trainer:
             "correction": self.config.trainer.correction,
         }
 
+    @ray.method(concurrency_group="control")
     def stop(self) -> dict:
         """The run ends early (stopped, or failed elsewhere): no checkpoint is published after this (nor deleted
         by retention), and training ends at the step's end. Returns report(), with what the bucket keeps."""
         self.checkpoints.stop()
         return self.report()
 
+    @ray.method(concurrency_group="control")
     def finish(self, summary: dict) -> None:
         """The run's summary to W&B, and its W&B run closed (the driver calls this once it summarised).
         metrics.jsonl once more: a stopped run's last steps are not on the bucket yet (written every 10)."""
@@ -269,6 +272,7 @@ class Trainer:
             if self._wandb.sync_dir and self.config.logging.wandb == "offline":
                 print(f"wandb offline run: upload it with `wandb sync {self._wandb.sync_dir}`", flush=True)
 
+    @ray.method(concurrency_group="control")
     def placement(self) -> dict:
         return node_placement()
 
@@ -284,7 +288,8 @@ class Trainer:
         self.checkpoints.stop()
 
 
-# Two threads: run() holds one for the whole run; report(), placement() and a second run() (which waits
-# for the first) answer on the other. The lease's news has a thread of its own: a run() asked again (after
-# a partition) must not hold it back, or the fence would close on a lease that is held.
-TrainerActor = ray.remote(max_concurrency=2, concurrency_groups={"lease": 1})(Trainer)
+# run() holds a thread for the whole run, and a run() asked again (after a partition: it waits for the
+# first) one more. What the driver asks meanwhile has threads of its own: report(), stop(), finish() and
+# placement() in "control", the lease's news in "lease" (held back, it would close the fence on a lease
+# that is held).
+TrainerActor = ray.remote(max_concurrency=2, concurrency_groups={"control": 2, "lease": 1})(Trainer)

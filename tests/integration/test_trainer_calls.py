@@ -99,3 +99,36 @@ async def test_a_new_trainer_actor_imports_its_training_stack_before_it_is_asked
         assert await trainer.__ray_call__.remote(stack_loaded, TRAINING_STACK) == list(TRAINING_STACK)
     finally:
         ray.kill(trainer)
+
+
+async def test_the_driver_is_answered_while_run_and_a_run_asked_again_hold_the_trainer(local_ray, tmp_path):
+    """After a partition the driver asks run() again, and that call waits for the first training: two
+    threads held for the whole run. report(), stop(), placement() and the lease's news must still answer
+    (with two threads in all, stop() never arrived and the lease's news would close the write fence)."""
+    from conftest import tiny_run_config
+
+    from rl_cluster.trainer.actor import TrainerActor
+
+    def _hold(trainer, started: str) -> None:  # in the actor (travels by value), a thread of run()'s group
+        import time
+
+        with open(started, "a") as f:
+            f.write("x")
+        time.sleep(600)
+
+    config = tiny_run_config("held", tmp_path / "no-model-needed", tmp_path)
+    trainer = TrainerActor.options(num_cpus=0).remote(config, "http://127.0.0.1:9")
+    started = tmp_path / "started"
+    try:
+        held = [trainer.__ray_call__.remote(_hold, str(started)) for _ in range(2)]
+        deadline = time.monotonic() + 120
+        while not (started.exists() and started.read_text() == "xx"):
+            assert time.monotonic() < deadline, "the two holding calls never both ran"
+            await asyncio.sleep(0.2)
+        assert (await asyncio.wait_for(trainer.report.remote(), 30))["history"] == []
+        await asyncio.wait_for(trainer.lease_renewed.remote(60.0), 30)
+        assert (await asyncio.wait_for(trainer.stop.remote(), 30))["checkpoints"] == []
+        assert "address" in await asyncio.wait_for(trainer.placement.remote(), 30)
+        assert len(held) == 2
+    finally:
+        ray.kill(trainer)
