@@ -149,7 +149,7 @@ async def _train(config: RunConfig, bucket, lease, news: LeaseNews, resume: bool
         cluster = await start_proxy(config, log_dir_for(config), secrets, loopback=loopback)
         # Its process starts (imports torch, transformers, TRL) beside the vLLM servers; the cleanup ends both.
         cluster.trainer = news.trainer = trainer_actor(config, cluster.proxy_url, secrets)
-        cluster.trainer.lease_renewed.remote(lease.valid_for())
+        cluster.trainer.lease_news.remote(valid_for_s=lease.valid_for())
         await cluster.add_generators(config.generator.replicas)
         cluster.pool = await start_pool(cluster)
         ready = f"proxy listening on {cluster.proxy_url}; generators ready after {time.time() - start:.0f}s"

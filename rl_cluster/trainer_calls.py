@@ -93,11 +93,11 @@ class LeaseNews:
 
     def renewed(self, valid_for_s: float) -> None:
         if self.trainer is not None:
-            self.trainer.lease_renewed.remote(valid_for_s)
+            self.trainer.lease_news.remote(valid_for_s=valid_for_s)
 
     def lost(self, why: str) -> None:
         if self.trainer is not None:
-            self.trainer.lease_lost.remote(why)
+            self.trainer.lease_news.remote(lost=why)
 
 
 def actor_restarts(actor, what: str) -> int | None:

@@ -53,8 +53,7 @@ class Trainer:
         self._evaluator = None
         self.syncs: list[dict] = []
         self.last_sync: dict = {}
-        # The run's writes (versions, checkpoints, retention, metrics) only while the lease is known held.
-        self.fence = WriteFence(margin_s=LEASE_TTL_S / 4, first_news_s=LEASE_TTL_S / 2)
+        self.fence = WriteFence(margin_s=LEASE_TTL_S / 4, first_news_s=LEASE_TTL_S / 2)  # every write passes
         self.checkpoints = KeptCheckpoints(self.bucket, config, self.fence)
         self.faults: list[dict] = []  # Ray's restarts of it; this life's closes at its first step trained
         self._restarted: dict | None = None
@@ -277,15 +276,14 @@ class Trainer:
         return node_placement()
 
     @ray.method(concurrency_group="lease")
-    def lease_renewed(self, valid_for_s: float) -> None:
-        """The driver renewed the run's lease: held `valid_for_s` from when the renewal began."""
-        self.fence.renewed(valid_for_s)
-
-    @ray.method(concurrency_group="lease")
-    def lease_lost(self, why: str) -> None:
-        """The driver lost the run's lease: no write from here on; the next one fails the training."""
-        self.fence.lost(why)
-        self.checkpoints.stop()
+    def lease_news(self, valid_for_s: float | None = None, lost: str | None = None) -> None:
+        """The driver renewed the run's lease (held `valid_for_s` from when the renewal began), or lost it
+        (`lost` says why): no write from here on, and training ends at the step's end."""
+        if lost is not None:
+            self.fence.lost(lost)
+            self.checkpoints.stop()
+        elif valid_for_s is not None:
+            self.fence.renewed(valid_for_s)
 
 
 # run() holds a thread for the whole run, and a run() asked again (after a partition: it waits for the

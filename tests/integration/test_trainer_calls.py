@@ -126,7 +126,7 @@ async def test_the_driver_is_answered_while_run_and_a_run_asked_again_hold_the_t
             assert time.monotonic() < deadline, "the two holding calls never both ran"
             await asyncio.sleep(0.2)
         assert (await asyncio.wait_for(trainer.report.remote(), 30))["history"] == []
-        await asyncio.wait_for(trainer.lease_renewed.remote(60.0), 30)
+        await asyncio.wait_for(trainer.lease_news.remote(valid_for_s=60.0), 30)
         assert (await asyncio.wait_for(trainer.stop.remote(), 30))["checkpoints"] == []
         assert "address" in await asyncio.wait_for(trainer.placement.remote(), 30)
         assert len(held) == 2
