@@ -20,24 +20,32 @@ RUN_STATE = "rl_cluster_state.json"  # in each checkpoint: the run's record up t
 
 
 def publish_checkpoint(
-    bucket: Bucket, config: RunConfig, step: int, local_dir: str, state: dict, base_fingerprint: str
-) -> tuple[str, list[int]]:
+    bucket: Bucket, config: RunConfig, step: int, local_dir: str, state: dict, base_fingerprint: str,
+    stopping: threading.Event | None = None,
+) -> tuple[str, list[int]]:  # fmt: skip
     """TRL's checkpoint directory of `step`, with the run's record `state` beside TRL's files (what a resume
-    restores besides TRL's), into the bucket; then retention. Returns (its URI, the steps retention
-    deleted). The local directory goes: the bucket holds it now."""
+    restores besides TRL's), into the bucket; then retention, unless `stopping` was set meanwhile (the
+    run's summary may be written already: nothing it lists is deleted after it). Returns (its URI, the
+    steps retention deleted). The local directory goes: the bucket holds it now."""
     (Path(local_dir) / RUN_STATE).write_text(json.dumps(state))
     uri = bucket.publish_checkpoint(
         config.run_name, step, local_dir, base_model=config.model.path, base_fingerprint=base_fingerprint
     )
     shutil.rmtree(local_dir, ignore_errors=True)
+    if stopping is not None and stopping.is_set():
+        return uri, []
     deleted = bucket.apply_checkpoint_retention(config.run_name, keep_last=config.trainer.keep_checkpoints)
     return uri, deleted
 
 
 class KeptCheckpoints:
     """The checkpoints this life of the trainer published and retention still keeps, until stop(): after it
-    none is published, so a stopped run's summary lists exactly what the bucket keeps (before it, a trainer
-    that went on after the driver's report published one and retention deleted a listed one; CI saw it)."""
+    none is published, so a stopped run's summary lists what the bucket keeps (before it, a trainer that
+    went on after the driver's report published one and retention deleted a listed one; CI saw it). A
+    publication under way longer than stop() waits completes without retention: the bucket then keeps one
+    checkpoint the summary does not list, and deletes none it lists."""
+
+    STOP_WAIT_S = 15.0  # within the driver's 20 s for stop() (rl_cluster.run.REPORT_TIMEOUT_S)
 
     def __init__(self, bucket: Bucket, config: RunConfig, fence: WriteFence):
         self.bucket, self.config, self.fence = bucket, config, fence
@@ -52,16 +60,18 @@ class KeptCheckpoints:
                 return None
             self.fence.check(f"publish checkpoint {step}")
             uri, deleted = publish_checkpoint(
-                self.bucket, self.config, step, local_dir, state, base_fingerprint
+                self.bucket, self.config, step, local_dir, state, base_fingerprint, stopping=self.stopping
             )
             gone = {self.bucket.checkpoint_uri(self.config.run_name, step) for step in deleted}
             self.uris = [kept for kept in self.uris if kept not in gone] + [uri]
             return uri
 
     def stop(self) -> None:
-        """No checkpoint is published after this returns; one being published completes first."""
-        with self._publishing:
-            self.stopping.set()
+        """No checkpoint starts after this; one being published completes first, or within STOP_WAIT_S
+        (an upload of a large model takes minutes), then goes on without retention."""
+        self.stopping.set()
+        if self._publishing.acquire(timeout=self.STOP_WAIT_S):
+            self._publishing.release()
 
 
 def newest_checkpoint(

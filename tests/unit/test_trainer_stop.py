@@ -34,7 +34,7 @@ def test_stop_waits_for_the_checkpoint_being_published_and_none_is_published_aft
     )
     publishing, release, published = threading.Event(), threading.Event(), []
 
-    def publish(bucket, config, step, local_dir, state, fingerprint):  # retention keeps two
+    def publish(bucket, config, step, local_dir, state, fingerprint, stopping=None):  # retention keeps two
         if step == 15:
             publishing.set()
             release.wait(10)
@@ -88,3 +88,34 @@ def test_a_fenced_trainer_publishes_no_checkpoint_and_deletes_nothing(tmp_path):
     with pytest.raises(LeaseLost, match="refuses to publish checkpoint 10: the driver lost the run's lease"):
         kept.publish(10, str(local), {}, "")
     assert bucket.list_checkpoints("fenced") == [5]  # nothing published, retention deleted nothing
+
+
+def test_a_publication_longer_than_stop_waits_goes_on_without_retention(tmp_path, monkeypatch):
+    """A checkpoint of a large model uploads for minutes; the driver waits 20 s for stop(). stop() returns
+    within its bound, the upload completes, and retention deletes nothing the summary may list."""
+    bucket = Bucket(str(tmp_path / "bucket"))
+    config = load_config(CONFIG, ["run_name=slow", f"bucket.uri={tmp_path}", "trainer.keep_checkpoints=1"])
+    kept = KeptCheckpoints(bucket, config, _held())
+    monkeypatch.setattr(KeptCheckpoints, "STOP_WAIT_S", 0.2)
+    for step in (5, 10):
+        local = tmp_path / f"checkpoint-{step}"
+        local.mkdir()
+        (local / "trainer_state.json").write_text("{}")
+    kept.publish(5, str(tmp_path / "checkpoint-5"), {}, "")
+    uploading, release = threading.Event(), threading.Event()
+    real = bucket.publish_checkpoint
+
+    def slow(*args, **kwargs):
+        uploading.set()
+        release.wait(10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bucket, "publish_checkpoint", slow)
+    under_way = threading.Thread(target=kept.publish, args=(10, str(tmp_path / "checkpoint-10"), {}, ""))
+    under_way.start()
+    assert uploading.wait(10)
+    kept.stop()  # returns after its bound, the upload still under way
+    assert under_way.is_alive()
+    release.set()
+    under_way.join(10)
+    assert bucket.list_checkpoints("slow") == [5, 10]  # keep_checkpoints=1, yet step 5 was not deleted
