@@ -82,13 +82,21 @@ async def unload_all(proxy, proxy_url: str) -> None:
 
 
 async def train_once(config, proxy, proxy_url: str) -> dict:
+    """One training run of the trainer actor, under the run's lease as a driver holds it: the trainer
+    writes only while it hears of its renewals (rl_cluster.core.fence)."""
     import ray
 
     from rl_cluster.trainer.actor import TrainerActor
+    from rl_cluster.trainer_calls import LeaseNews
 
-    trainer = TrainerActor.options(
+    lease = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url).run_lease(config.run_name)
+    lease.acquire()
+    news = LeaseNews()
+    lease.start_renewing(news.lost, news.renewed)
+    trainer = news.trainer = TrainerActor.options(
         name=f"{config.run_name}-trainer", num_cpus=config.trainer.num_cpus, resources={"trainer": 1}
     ).remote(config, proxy_url)
+    trainer.lease_news.remote(valid_for_s=lease.valid_for())
     samples: list = []
     stop = asyncio.Event()
     poller = asyncio.get_running_loop().create_task(sample_in_flight(proxy, samples, stop))
@@ -98,6 +106,7 @@ async def train_once(config, proxy, proxy_url: str) -> dict:
         stop.set()
         await poller
         ray.kill(trainer)
+        lease.release()
     result["generator_idle"] = generator_idle(samples)
     return result
 
