@@ -106,6 +106,7 @@ class Generator:
         self.base_fingerprint = ""
         self.proxy = None
         self.loaded: dict[str, str] = {}  # adapter name -> the bucket path it was loaded from
+        self.held_before_restart: dict[str, str] = {}  # a crashed server's, until the new one caught up
         self.ever_loaded: set[str] = set()  # over the run, across restarts of its server and of the proxy
         self.last_unloaded: str | None = None
         self.restarts = RestartBudget(config.generator.max_restarts, config.generator.restart_backoff_s)
@@ -132,12 +133,13 @@ class Generator:
 
     def membership(self) -> tuple[str, ActorAdapterLoader, int | None, dict[str, str]] | None:
         """What a proxy needs to route to this replica: (url, control, capacity, held: the adapter versions
-        its server holds and the bucket paths they came from). None while it has no server."""
+        its server holds and the bucket paths they came from; a crashed server's too, until the new one
+        caught up: a proxy restored meanwhile learns which versions were live). None without a server."""
         if self.server is None or self.vllm is None:
             return None
-        me = ray.get_runtime_context().current_actor
-        g = self.config.generator
-        return self.server.url, ActorAdapterLoader(me), max_num_seqs(g.extra_args), dict(self.loaded)
+        me, g = ray.get_runtime_context().current_actor, self.config.generator
+        held = {**self.held_before_restart, **self.loaded}
+        return self.server.url, ActorAdapterLoader(me), max_num_seqs(g.extra_args), held
 
     def condition(self) -> dict:
         """What the run's pool controller polls: did start() begin (False: Ray restarted this actor after
@@ -225,29 +227,25 @@ class Generator:
 
     async def _restart(self, reason: str) -> bool:
         delay = self.restarts.next_delay(reason)
-        limit = self.config.generator.max_restarts
+        limit, what = self.config.generator.max_restarts, f"replica {self.replica_id}: {reason}"
         if self.proxy is not None:
             await self.proxy.report_down.remote(self.replica_id, reason)
         if delay is None:
             self.spent = True
-            print(
-                f"replica {self.replica_id}: {reason}; restart budget ({limit}) spent: it stays out",
-                flush=True,
-            )
+            print(f"{what}; restart budget ({limit}) spent: it stays out", flush=True)
             return False
-        print(
-            f"replica {self.replica_id}: {reason}; restart {self.restarts.used}/{limit} in {delay:.0f}s",
-            flush=True,
-        )
+        print(f"{what}; restart {self.restarts.used}/{limit} in {delay:.0f}s", flush=True)
         start = time.monotonic()
         await asyncio.to_thread(self.server.stop)  # whatever is left of its process group
         await asyncio.sleep(delay)
+        self.held_before_restart = {**self.held_before_restart, **self.loaded}
         self.loaded.clear()  # a new server holds no adapter
         self.prefix_cache.restarted()  # and counts its cache from zero
         self.server.start()
         await self.server.wait_healthy(self.config.generator.startup_timeout_s)
         if self.proxy is not None:
-            await self.proxy.report_back.remote(self.replica_id)
+            await self.proxy.report_back.remote(self.replica_id)  # answers once it caught up
+        self.held_before_restart = {}
         print(
             f"replica {self.replica_id}: serving again {time.monotonic() - start:.0f}s after the crash",
             flush=True,
