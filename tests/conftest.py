@@ -11,11 +11,14 @@ modules that start vLLM some other way say `pytestmark = pytest.mark.vllm` thems
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import os
 import subprocess
 import sys
+import threading
 import time
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -203,3 +206,16 @@ def tiny_run_config(run: str, model_dir: Path, tmp_path: Path):
 
     overrides = [f"run_name={run}", f"model.path={model_dir}", f"bucket.uri={tmp_path / 'bucket'}"]
     return load_config(None, [*overrides, "generator.replicas=1"])
+
+
+@contextlib.contextmanager
+def http_stub(handler):
+    """A threaded HTTP server on loopback answering with `handler` (a BaseHTTPRequestHandler class);
+    yields its base URL, and is shut down however the test ends."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -46,8 +46,8 @@ class ProxyActor:
         `replica_key`: what the replicas demand; `auth_token`: what the control routes demand (None: the
         configured one). `loopback`: bind 127.0.0.1 when `config.host` is unset (a private local Ray),
         else this node's address, where the trainer and operators on other nodes reach it. `run_name`: the
-        `run` tag of the proxy's Ray metrics, and how it finds a generator by name (None: it does not). `max_model_len`: the replicas' context, which bounds
-        requests (None: not checked)."""
+        `run` tag of the proxy's Ray metrics, and how it finds a generator by name (None: it does not).
+        `max_model_len`: the replicas' context, which bounds requests (None: not checked)."""
         host = config.host or ("127.0.0.1" if loopback else ray.util.get_node_ip_address())
         token = SecretStr(auth_token) if auth_token else config.auth_token
         resolved = config.model_copy(update={"host": host, "auth_token": token})

@@ -65,9 +65,7 @@ class HealthWatch:
         """One round: active replicas that fail leave routing; unhealthy ones that answer catch up again."""
         watched = [self.replicas[r] for r in self.book.in_state(ReplicaState.ACTIVE, ReplicaState.UNHEALTHY)]
         for replica in watched:
-            if (
-                not replica.url and self.rejoin is not None
-            ):  # registered down, never reached: ask its generator where it serves
+            if not replica.url and self.rejoin is not None:  # never reached: ask its generator where it is
                 self._start_recovery(replica.replica_id, self.rejoin(replica.replica_id))
         watched = [replica for replica in watched if replica.url]
         results = await asyncio.gather(*(self.probe(r) for r in watched))

@@ -53,7 +53,7 @@ class Trainer:
         self._evaluator = None
         self.syncs: list[dict] = []
         self.last_sync: dict = {}
-        self.fence = WriteFence(margin_s=LEASE_TTL_S / 4, first_news_s=LEASE_TTL_S / 2)  # every write passes
+        self.fence = WriteFence(margin_s=LEASE_TTL_S / 4, first_news_s=LEASE_TTL_S / 2)  # before each write
         self.checkpoints = KeptCheckpoints(self.bucket, config, self.fence)
         self.faults: list[dict] = []  # Ray's restarts of it; this life's closes at its first step trained
         self._restarted: dict | None = None

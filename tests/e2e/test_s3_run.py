@@ -118,6 +118,8 @@ def test_a_run_through_an_engine_kill_and_a_proxy_kill_on_an_s3_bucket(tmp_path,
             time.sleep(3)
             os.kill(proxy, signal.SIGKILL)  # while the replica's server restarts
             wait_for(log, r"proxy restarted by Ray: serving again on \S+ with ", run, timeout_s=180)
+            # The faults overlapped: the restore found the replica's server not answering yet.
+            wait_for(log, r"replica g0 registered out of routing", run, timeout_s=60)
             wait_for(log, r"replica g0: serving again", run, timeout_s=300)
             # Training went on on the restarted replica, through the restarted proxy: a step after the kills'.
             wait_for(log, rf"step +{before + 1}/{STEPS}", run, timeout_s=300)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
+from conftest import http_stub
 from pydantic import ValidationError
 
 from rl_cluster.config import TRAINER_CONTROL_TIMEOUT_S, ProxyConfig
@@ -137,11 +137,8 @@ class _SlowProxy(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def slow_proxy():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowProxy)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
-    server.server_close()
+    with http_stub(_SlowProxy) as url:
+        yield url
 
 
 def test_a_client_that_lost_the_answer_to_a_load_asks_whether_it_is_routable(slow_proxy):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 import requests
+from conftest import http_stub
 
 from rl_cluster.core.retry import RetriesExhausted, RetryPolicy
 from rl_cluster.trainer.http import HttpClient, describe, no_answer, unreachable
@@ -38,11 +38,8 @@ class _Stub(BaseHTTPRequestHandler):
 @pytest.fixture
 def stub():
     _Stub.statuses, _Stub.seen = [], []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}/"
-    server.shutdown()
-    server.server_close()
+    with http_stub(_Stub) as url:
+        yield f"{url}/"
 
 
 def test_the_token_goes_with_every_call_and_the_answer_comes_back_as_json(stub):
