@@ -86,22 +86,20 @@ async def train_once(config, proxy, proxy_url: str) -> dict:
     writes only while it hears of its renewals (rl_cluster.core.fence)."""
     import ray
 
-    from rl_cluster.trainer.actor import TrainerActor
-    from rl_cluster.trainer_calls import LeaseNews
+    from rl_cluster.credentials import RunSecrets
+    from rl_cluster.trainer_calls import LeaseNews, trainer_actor
 
     lease = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url).run_lease(config.run_name)
     lease.acquire()
     news = LeaseNews()
     lease.start_renewing(news.lost, news.renewed)
-    trainer = news.trainer = TrainerActor.options(
-        name=f"{config.run_name}-trainer", num_cpus=config.trainer.num_cpus, resources={"trainer": 1}
-    ).remote(config, proxy_url)
+    trainer = news.trainer = trainer_actor(config, proxy_url, RunSecrets())
     trainer.lease_news.remote(valid_for_s=lease.valid_for())
     samples: list = []
     stop = asyncio.Event()
     poller = asyncio.get_running_loop().create_task(sample_in_flight(proxy, samples, stop))
     try:
-        result = await trainer.train.remote()
+        result = await trainer.run.remote()
     finally:
         stop.set()
         await poller

@@ -163,8 +163,9 @@ class TrainerConfig(Section):
     keep_checkpoints: int = Field(2, ge=1)
     """Newest checkpoints kept in the bucket; older ones are deleted (manifest first)."""
     max_restarts: int = Field(1, ge=0)
-    """Times Ray restarts a trainer actor that died (its process killed, its node lost) while the run goes
-    on; the restarted trainer resumes from the newest verified checkpoint in the bucket."""
+    """Times Ray Train restarts the trainer's ranks, as one gang, after one died (its process killed, its
+    node lost) while the run goes on (Ray Train's FailureConfig.max_failures); the restarted gang resumes
+    from the newest verified checkpoint in the bucket."""
     seed: int = 0
     """Seed for LoRA init, data order and sampling."""
     gradient_checkpointing: bool = False
@@ -175,9 +176,10 @@ class TrainerConfig(Section):
     accumulated into the step's one update; 0 trains the step's samples in one forward. At least
     model.max_model_len."""
     num_cpus: float = Field(1.0, ge=0)
-    """CPUs the trainer actor reserves (Ray sets OMP_NUM_THREADS from it)."""
+    """CPUs each trainer rank reserves (Ray sets OMP_NUM_THREADS from it); the trainer actor that
+    coordinates the ranks, on the driver's node, reserves none."""
     num_gpus: float = Field(0.0, ge=0)
-    """GPUs the trainer actor reserves."""
+    """GPUs each trainer rank reserves."""
 
     @model_validator(mode="after")
     def _correction_bounds(self) -> TrainerConfig:

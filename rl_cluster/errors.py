@@ -77,3 +77,8 @@ class UsageError(RunRefused):
 
     def __str__(self) -> str:
         return "\n".join(self.lines)
+
+
+class TrainingFailed(RuntimeError):
+    """The trainer's training raised (in a rank Ray Train runs); the message is the rank's error. Not a
+    reason to restart the gang: training again would raise again."""

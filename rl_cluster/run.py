@@ -27,7 +27,7 @@ from rl_cluster.config import RunConfig
 from rl_cluster.core.summary import NEVER_DEDUPLICATED, exit_status, summarize, summary_table
 from rl_cluster.credentials import RunSecrets
 from rl_cluster.errors import RunRefused
-from rl_cluster.trainer_calls import LeaseNews, actor_restarts, train_through_restarts, trainer_actor
+from rl_cluster.trainer_calls import LeaseNews, train_through_restarts, trainer_actor
 
 # Read by Ray when it is imported (below, inside the functions): every progress line reaches the logs.
 os.environ.setdefault("RAY_DEDUP_LOGS_ALLOW_REGEX", NEVER_DEDUPLICATED)
@@ -226,12 +226,11 @@ async def _summarize_run(config: RunConfig, bucket, cluster, result: dict, statu
     if cluster is None:
         return summary
     pool, trainer = cluster.pool, cluster.trainer
-    restarts, reports, scale_events, proxy_restarts, trainer_restarts, trainer_at = await asyncio.gather(
+    restarts, reports, scale_events, proxy_restarts, trainer_at = await asyncio.gather(
         _bounded(cluster.replica_restarts(), {}),
         _bounded(cluster.replica_reports(fresh=status == "finished"), {}),
         _bounded(pool.scale_events.remote(), []) if pool is not None else _now([]),
         _bounded(pool.proxy_restarts.remote(), None) if pool is not None else _now(0),
-        asyncio.to_thread(actor_restarts, trainer, "trainer"),
         # Where the trainer is now: Ray may have restarted it on another node since the run began.
         _bounded(trainer.placement.remote(), None) if trainer is not None else _now(None),
     )
@@ -249,7 +248,8 @@ async def _summarize_run(config: RunConfig, bucket, cluster, result: dict, statu
         prefix_cache={rid: r["prefix_cache"] for rid, r in reports.items()},
         replica_versions={rid: r["versions_loaded"] for rid, r in reports.items()},
     )
-    summary["trainer_restarts"] = trainer_restarts
+    summary["trainer_restarts"] = result.get("trainer_restarts")  # the gang's restarts by Ray Train
+    summary["trainer_ranks"] = result.get("ranks")  # where each rank runs (address, node_id, pid)
     summary["proxy_restarts"] = proxy_restarts
     # The pool controller's record (the syncs above fetched it): where each replica ran, what it came through.
     summary["placement_history"] = cluster.history.placement_history()

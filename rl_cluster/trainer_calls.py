@@ -68,17 +68,25 @@ def actor_state(actor) -> str | None:
 
 
 def trainer_actor(config: RunConfig, proxy_url: str, secrets):
-    """The run's trainer actor, on a node with the `trainer` resource. The run's secrets reach it as
+    """The run's trainer actor, the coordinator of its ranks (rl_cluster.trainer.actor), on the driver's
+    node; it takes no `trainer` resource (its ranks do, placed by Ray Train). The run's secrets reach it as
     constructor arguments, never through the runtime_env that Ray's dashboard shows."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     from rl_cluster.trainer.actor import TrainerActor
 
+    here = ray.get_runtime_context()
     return TrainerActor.options(
         name=f"{config.run_name}-trainer",
-        num_cpus=config.trainer.num_cpus,
-        num_gpus=config.trainer.num_gpus,
-        resources={"trainer": 1},
-        # A trainer that dies is restarted, and asked to run again (train_through_restarts): it resumes
-        # from a checkpoint. Its other calls (report, placement) are retried by Ray.
+        num_cpus=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(here.get_node_id(), soft=False),
+        # Ray Train's placement-group cleaner (a detached actor that inherits this environment) asks Ray's
+        # state API with no address: on a machine that runs two Rays it fails, and once removed a live
+        # run's placement group. It asks the run's own cluster.
+        runtime_env={"env_vars": {"RAY_ADDRESS": here.gcs_address}},
+        # A coordinator that dies is restarted, and asked to run again (train_through_restarts): its ranks
+        # resume from a checkpoint. Its other calls (report, placement) are retried by Ray.
         max_restarts=config.trainer.max_restarts,
         max_task_retries=config.trainer.max_restarts,
     ).remote(config, proxy_url, secrets.proxy_token, secrets.replica_key, secrets.environment)
@@ -98,16 +106,3 @@ class LeaseNews:
     def lost(self, why: str) -> None:
         if self.trainer is not None:
             self.trainer.lease_news.remote(lost=why)
-
-
-def actor_restarts(actor, what: str) -> int | None:
-    """How often Ray restarted `actor` (the trainer, the proxy), from Ray's state API; None when it
-    cannot tell."""
-    if actor is None:
-        return 0
-    try:
-        state = _state_record(actor)
-    except Exception as e:
-        print(f"  ({what} restarts unknown: {type(e).__name__}: {e})", flush=True)
-        return None
-    return int(state.num_restarts) if state is not None else None

@@ -5,7 +5,6 @@ loads them, the driver never does."""
 
 from __future__ import annotations
 
-import contextlib
 import tempfile
 import threading
 from collections.abc import Callable
@@ -17,27 +16,6 @@ from rl_cluster.core.admission import AdmissionWindow
 from rl_cluster.core.fence import WriteFence
 from rl_cluster.trainer.proxy_client import ProxyClient
 from rl_cluster.trainer.task import import_function
-
-
-def import_in_background() -> threading.Thread:
-    """Import what a trainer is built from (torch, transformers, TRL, PEFT, datasets: about 6 s of a 2-core
-    machine, more on a cluster's shared disk) on a thread, so that a trainer actor made while the generators
-    start has them when it is asked to train. Join it before importing any of them: two threads importing
-    one package's modules at once can deadlock. An import that fails here fails again, and is raised,
-    where train() imports it."""
-
-    def load() -> None:
-        with contextlib.suppress(Exception):
-            import peft  # noqa: F401
-
-            import rl_cluster.data  # noqa: F401
-            import rl_cluster.experience  # noqa: F401
-            import rl_cluster.trainer.evaluation  # noqa: F401
-            import rl_cluster.trainer.grpo  # noqa: F401
-
-    thread = threading.Thread(target=load, name="import-training-stack", daemon=True)
-    thread.start()
-    return thread
 
 
 def admission_window(config: RunConfig) -> AdmissionWindow:

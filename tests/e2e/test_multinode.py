@@ -597,7 +597,8 @@ def adapter_tensors(path: Path) -> dict:
 
 
 def test_a_killed_trainer_a_stopped_job_and_a_killed_driver_resume(cluster, hub_env, tmp_path):
-    """(a) SIGKILL the trainer actor's process: Ray restarts it, it resumes from the newest checkpoint;
+    """(a) SIGKILL the trainer's rank (its Ray Train worker): Ray Train restarts the gang, which resumes from
+    the newest checkpoint;
     then `ray job stop` ends the run with its summary written and nothing left running. (b) SIGKILL the
     driver of the run continued with --resume: the job dies, and (c) --resume once more takes it to its
     max_steps. Versions are never renumbered; the resumed policy is the checkpoint's (its first published
@@ -611,8 +612,8 @@ def test_a_killed_trainer_a_stopped_job_and_a_killed_driver_resume(cluster, hub_
     # resumes at max_steps and trains nothing, which is right, but not this test).
     wait_for_file(bucket / run / "checkpoints" / "step-8" / "manifest.json", 900)
     # The trainer's node: the chaos run before may have moved it to the second trainer node.
-    (node,) = (n for n in sorted(cluster.up) if pids_running(cluster, n, b"ray::Trainer"))
-    (trainer_pid,) = pids_running(cluster, node, b"ray::Trainer")
+    (node,) = (n for n in sorted(cluster.up) if pids_running(cluster, n, b"ray::RayTrainWorker"))
+    (trainer_pid,) = pids_running(cluster, node, b"ray::RayTrainWorker")
     rollout_children = [p for p in cluster.pids()[node] if parent_pid(p) == trainer_pid]
     assert rollout_children  # TRL's rollout worker, a spawned process of the trainer
     cluster.run(node, ["kill", "-9", str(trainer_pid)])

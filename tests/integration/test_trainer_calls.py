@@ -38,7 +38,8 @@ class Lives:
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=True)  # the state API needs the dashboard
+    # The state API needs the dashboard; a trainer's rank (a Ray Train worker) needs a `trainer` resource.
+    ray.init(address="local", num_cpus=2, resources={"trainer": 1}, include_dashboard=True)
     yield
     ray.shutdown()
 
@@ -69,34 +70,33 @@ async def test_a_trainer_ray_will_not_restart_ends_the_call_with_rays_error(loca
         await asyncio.wait_for(call, 120)
 
 
-# What a trainer is built from, as a new trainer actor should hold it before it is asked to train.
-TRAINING_STACK = (
-    "torch",
-    "peft",
-    "trl.experimental.async_grpo.async_grpo_trainer",
-    "rl_cluster.trainer.grpo",
-)
-
-
-async def test_a_new_trainer_actor_imports_its_training_stack_before_it_is_asked_to_train(
+async def test_a_new_trainer_actor_starts_its_rank_which_imports_its_training_stack_before_it_is_asked_to_train(
     local_ray, tmp_path
 ):
-    """The run makes the trainer actor while the generators start and asks it to train once they serve:
-    TRL, PEFT and torch are imported in that time, not after it."""
+    """The run makes the trainer actor while the generators start and asks it to train once they serve: Ray
+    Train starts its rank (a process of its own, on a node with the `trainer` resource) at once, and the rank
+    imports TRL, PEFT and torch in that time, not after it; the actor says where the rank runs."""
     from conftest import tiny_run_config
 
-    from rl_cluster.trainer.actor import TrainerActor
+    from rl_cluster.credentials import RunSecrets
+    from rl_cluster.trainer.rank import TRAINING_STACK
+    from rl_cluster.trainer_calls import trainer_actor
 
-    def stack_loaded(trainer, wanted: tuple[str, ...]) -> list[str]:  # in the actor (travels by value)
-        import sys
+    def imported(trainer) -> tuple[list[str], int]:  # in the actor (travels by value)
+        import os
 
-        trainer._imported.join(timeout=120)
-        return [m for m in wanted if m in sys.modules] + (["trained"] if trainer.trainer is not None else [])
+        return list(trainer.imported), os.getpid()
 
     config = tiny_run_config("warm", tmp_path / "no-model-needed", tmp_path)
-    trainer = TrainerActor.options(num_cpus=0).remote(config, "http://127.0.0.1:9")
+    trainer = trainer_actor(config, "http://127.0.0.1:9", RunSecrets())
     try:
-        assert await trainer.__ray_call__.remote(stack_loaded, TRAINING_STACK) == list(TRAINING_STACK)
+        where = await asyncio.wait_for(trainer.placement.remote(), 300)
+        deadline = time.monotonic() + 300
+        while (held := await trainer.__ray_call__.remote(imported))[0] != list(TRAINING_STACK):
+            assert time.monotonic() < deadline, held
+            await asyncio.sleep(1)
+        assert where["pid"] != held[1] and where["address"] and where["node_id"]  # the rank's own process
+        assert (await trainer.report.remote())["history"] == []  # nothing trained: run() was never asked
     finally:
         ray.kill(trainer)
 
@@ -128,7 +128,35 @@ async def test_the_driver_is_answered_while_run_and_a_run_asked_again_hold_the_t
         assert (await asyncio.wait_for(trainer.report.remote(), 30))["history"] == []
         await asyncio.wait_for(trainer.lease_news.remote(valid_for_s=60.0), 30)
         assert (await asyncio.wait_for(trainer.stop.remote(), 30))["checkpoints"] == []
-        assert "address" in await asyncio.wait_for(trainer.placement.remote(), 30)
+        assert "address" in await asyncio.wait_for(trainer.placement.remote(), 300)  # where its rank runs
         assert len(held) == 2
+    finally:
+        ray.kill(trainer)
+
+
+async def test_an_error_of_the_training_fails_the_run_once_and_is_no_reason_to_restart_the_gang(
+    local_ray, tmp_path
+):
+    """Ray Train restarts a gang whose rank raised, as it does one whose rank died; but an error the
+    training raises (here: model.path is no directory on the rank's node) would be raised again by every
+    restart. The rank reports it instead, and run() fails with it at once: TrainingFailed, no restart."""
+    from conftest import tiny_run_config
+
+    from rl_cluster.credentials import RunSecrets
+    from rl_cluster.errors import TrainingFailed
+    from rl_cluster.trainer_calls import trainer_actor
+
+    config = tiny_run_config("broken", tmp_path / "no-model-here", tmp_path)
+    trainer = trainer_actor(config, "http://127.0.0.1:9", RunSecrets())
+    try:
+        await asyncio.wait_for(trainer.lease_news.remote(valid_for_s=60.0), 30)
+        with pytest.raises(ray.exceptions.RayTaskError) as failed:
+            await asyncio.wait_for(trainer.run.remote(), 300)
+        assert isinstance(failed.value.cause, TrainingFailed), failed.value
+        assert "FileNotFoundError: model.path=" in str(failed.value.cause) and "no-model-here" in str(
+            failed.value
+        )
+        report = await asyncio.wait_for(trainer.report.remote(), 30)
+        assert report["trainer_restarts"] == 0 and len(report["ranks"]) == 1, report
     finally:
         ray.kill(trainer)
