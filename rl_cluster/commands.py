@@ -9,12 +9,15 @@ config is checked, so `--help` and a config typo answer at once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from rl_cluster.config_errors import load
-from rl_cluster.errors import RunRefused, UsageError
+from rl_cluster.errors import BucketUnavailable, RunRefused, UsageError
 
 _OVERRIDES_HELP = "dotted overrides, e.g. trainer.max_steps=20 (anywhere among the options)"
 
@@ -64,17 +67,14 @@ def train(args: argparse.Namespace) -> int:
 
 def preflight(config, resume: bool) -> None:
     """What would stop a run at once, checked before Ray and the generators start (a minute saved, and
-    one line instead of a failed run): the bucket answers, the run name is free (for --resume: it has a
+    one line instead of a failed run): the bucket answers (a directory: can be written), the run name is free (for --resume: it has a
     checkpoint), and a dataset task's prepared data is there. train() checks the name again itself.
 
     Under `ray job submit --working-dir`, the driver runs in a copy Ray unpacked on the head, deleted with
     its session: a relative directory bucket.uri (the default `bucket` too) would put the run there,
     where the user's checkout never sees it, so it is refused."""
-    import os
-
     from rl_cluster.bucket import Bucket
     from rl_cluster.core.placement import is_relative_directory, ray_package_dir
-    from rl_cluster.errors import BucketUnavailable
     from rl_cluster.run import check_fresh_run_name, check_resumable
 
     package = ray_package_dir(os.getcwd())
@@ -84,16 +84,53 @@ def preflight(config, resume: bool) -> None:
             "--working-dir: the run would be written there and vanish. Pass an absolute path every node "
             "mounts (bucket.uri=/mnt/rl-bucket) or s3://bucket/prefix"
         )
-    try:
+    with bucket_errors(f"bucket.uri={config.bucket.uri}"):
         bucket = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url)
+        check_writable(bucket)
         (check_resumable if resume else check_fresh_run_name)(bucket, config.run_name)
         if config.task.prompts == "dataset":
             from rl_cluster.data import prepared_meta
 
             prepared_meta(config)
-    # ValueError: a malformed bucket.uri; PermissionError: no credentials, or a bucket the user may not use.
-    except (BucketUnavailable, FileNotFoundError, PermissionError, ValueError) as e:
+
+
+@contextlib.contextmanager
+def bucket_errors(what: str) -> Iterator[None]:
+    """A bucket that cannot be used, as one UsageError line instead of a traceback: unreachable
+    (BucketUnavailable), malformed (ValueError), no credentials or no permission (PermissionError), a
+    file where a directory must be (NotADirectoryError: `bucket.uri=some_file/sub`), a read-only mount.
+    `what` names the bucket as the user gave it."""
+    try:
+        yield
+    except OSError as e:
+        if not e.filename:  # ours or the backend's own message, written for the user already
+            raise UsageError(str(e)) from e
+        file = next((p for p in [Path(e.filename), *Path(e.filename).parents] if p.is_file()), None)
+        # A bare ENOTDIR or EEXIST hides the cause: which part of the path is a file.
+        cause = f"{file} is a file, not a directory" if file else f"{e.strerror}: {e.filename}"
+        raise UsageError(f"{what}: {cause}") from e
+    except (BucketUnavailable, ValueError) as e:
         raise UsageError(str(e)) from e
+
+
+def open_bucket(args: argparse.Namespace):
+    """The bucket of --bucket and --s3-endpoint-url (add_bucket_arguments); a malformed one is a UsageError."""
+    from rl_cluster.bucket import Bucket
+
+    with bucket_errors(f"--bucket {args.bucket}"):
+        return Bucket(args.bucket, args.s3_endpoint_url)
+
+
+def check_writable(bucket) -> None:
+    """A directory bucket can be made and written: else the run would fail taking its lease, after the
+    config was loaded, with a traceback. An s3 bucket answered the listing already."""
+    if bucket.is_remote:
+        return
+    root = Path(bucket.uri)
+    root.mkdir(parents=True, exist_ok=True)
+    probe = root / f".write-check-{os.getpid()}"  # a dot name: listings of the bucket skip it
+    probe.write_bytes(b"")
+    probe.unlink()
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -151,12 +188,12 @@ def add_summary_arguments(parser: argparse.ArgumentParser) -> None:
 
 def summary(args: argparse.Namespace) -> int:
     """Print a finished run's summary table again, from <bucket>/<run>/summary.json."""
-    from rl_cluster.bucket import Bucket
     from rl_cluster.core.summary import summary_table
     from rl_cluster.runs import read_summary
 
-    bucket = Bucket(args.bucket, args.s3_endpoint_url)
-    found = read_summary(bucket, args.run)
+    bucket = open_bucket(args)
+    with bucket_errors(f"--bucket {args.bucket}"):
+        found = read_summary(bucket, args.run)
     if found is None:
         raise UsageError(
             f"{bucket.run_uri(args.run)} has no summary.json: the run is still running, or its driver was "
@@ -177,10 +214,9 @@ def add_runs_arguments(parser: argparse.ArgumentParser) -> None:
 def runs(args: argparse.Namespace) -> int:
     """List the runs in a bucket: status, steps, final reward (mean of the last fifth of the steps) and
     the last eval's pass@1, from each run's summary.json."""
-    from rl_cluster.bucket import Bucket
     from rl_cluster.runs import read_summary, run_names, run_row, runs_table
 
-    bucket = Bucket(args.bucket, args.s3_endpoint_url)
+    bucket = open_bucket(args)
     names = run_names(bucket)
     if not names:
         print(f"no runs in {bucket.uri}")

@@ -160,3 +160,35 @@ def test_an_s3_bucket_without_credentials_is_one_line_at_once_not_retried(tmp_pa
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith("no S3 credentials for s3://b/x") and "AWS_ACCESS_KEY_ID" in done.stderr
     assert len(done.stderr.splitlines()) == 1 and "retrying" not in done.stdout + done.stderr
+
+
+def test_a_bucket_that_cannot_be_one_is_one_line_and_exit_2_before_ray(tmp_path):
+    """A file on the bucket's path, a bucket that is a file, a scheme that is no bucket: each used to end in
+    a traceback (NotADirectoryError after 39 lines, or a run in a directory named 'gs:')."""
+    (tmp_path / "afile").touch()
+    expected = {
+        "afile/sub": f"bucket.uri={tmp_path}/afile/sub: {tmp_path}/afile is a file, not a directory\n",
+        "afile": f"bucket.uri={tmp_path}/afile: {tmp_path}/afile is a file, not a directory\n",
+    }
+    for uri, line in expected.items():
+        done = run("jobs/train_grpo.py", "--config", str(CPU_DEMO), f"bucket.uri={tmp_path / uri}")
+        assert (done.returncode, done.stderr, done.stdout) == (2, line, "")
+    done = run("train", "--config", str(CPU_DEMO), "bucket.uri=gs://b/x", cwd=tmp_path)
+    assert (done.returncode, done.stderr) == (
+        2,
+        "bucket 'gs://b/x': a bucket is a directory (or file://...) or s3://bucket/prefix\n",
+    )
+    assert not (tmp_path / "gs:").exists()
+    done = run("summary", "r", "--bucket", str(tmp_path / "afile" / "sub"))
+    assert (done.returncode, done.stderr) == (
+        2,
+        f"--bucket {tmp_path}/afile/sub: {tmp_path}/afile is a file, not a directory\n",
+    )
+    for command in (["runs"], ["experience", "r"]):
+        done = run(*command, "--bucket", "gs://b")
+        assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    done = run("data", "prepare", "--config", str(CPU_MATH), f"bucket.uri={tmp_path / 'afile/sub'}")
+    assert (done.returncode, done.stderr) == (
+        2,
+        f"bucket.uri={tmp_path}/afile/sub: {tmp_path}/afile is a file, not a directory\n",
+    )
