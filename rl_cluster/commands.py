@@ -12,7 +12,9 @@ import argparse
 import contextlib
 import json
 import os
+import socket
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -67,7 +69,8 @@ def train(args: argparse.Namespace) -> int:
 
 def preflight(config, resume: bool) -> None:
     """What would stop a run at once, checked before Ray and the generators start (a minute saved, and
-    one line instead of a failed run): the bucket answers (a directory: can be written), the run name is free (for --resume: it has a
+    one line instead of a failed run): Ray answers at the address to join, the bucket answers (a
+    directory: can be written), the run name is free (for --resume: it has a
     checkpoint), and a dataset task's prepared data is there. train() checks the name again itself.
 
     Under `ray job submit --working-dir`, the driver runs in a copy Ray unpacked on the head, deleted with
@@ -84,6 +87,9 @@ def preflight(config, resume: bool) -> None:
             "--working-dir: the run would be written there and vanish. Pass an absolute path every node "
             "mounts (bucket.uri=/mnt/rl-bucket) or s3://bucket/prefix"
         )
+    address = config.cluster.address or os.environ.get("RAY_ADDRESS")
+    if address and address not in ("local", "auto"):  # as connect() joins it
+        check_ray_answers(address, "cluster.address" if config.cluster.address else "RAY_ADDRESS")
     with bucket_errors(f"bucket.uri={config.bucket.uri}"):
         bucket = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url)
         check_writable(bucket)
@@ -162,10 +168,37 @@ def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def scale(args: argparse.Namespace) -> int:
-    """Set a running run's generator pool: 0 done, 1 no such run or not there in time, 2 N refused."""
+    """Set a running run's generator pool: 0 done, 1 no such run or not there in time, 2 N refused or no
+    Ray answers at the address."""
+    address, named = args.address, "--address"
+    if not address:
+        address, named = os.environ.get("RAY_ADDRESS"), "RAY_ADDRESS"
+    if not address or address == "auto":  # what `ray start` on this machine left for address="auto"
+        with contextlib.suppress(OSError):
+            named = str(Path(tempfile.gettempdir(), "ray", "ray_current_cluster"))
+            address = Path(named).read_text().strip()
+    if address and address != "auto":
+        check_ray_answers(address, named)
     from rl_cluster.scale import scale as scale_pool
 
     return scale_pool(args.run, args.replicas, args.auto, args.address, not args.no_wait, args.timeout)
+
+
+def check_ray_answers(address: str, named: str, timeout_s: float = 5.0) -> None:
+    """UsageError, in seconds, when nothing listens at the Ray address `address` (host:port or
+    ray://host:port; `named`: where it came from). ray.init retries a GCS that does not answer for over a
+    minute, with warnings that name another address (loopback becomes the node's IP). Anything else
+    (http://, a name Ray resolves itself) is left to Ray."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or "/" in host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise UsageError(
+            f"no Ray answers at {address} ({named}): {e.strerror or e}. Is the cluster up (`ray status` on "
+            "its head)? Pass the address `ray start --head` printed (HOST:6379)"
+        ) from e
 
 
 def add_bucket_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from rl_cluster.core.summary import step_record, summarize, summary_table
@@ -192,3 +194,29 @@ def test_a_bucket_that_cannot_be_one_is_one_line_and_exit_2_before_ray(tmp_path)
         2,
         f"bucket.uri={tmp_path}/afile/sub: {tmp_path}/afile is a file, not a directory\n",
     )
+
+
+def test_a_command_that_cannot_reach_ray_says_where_it_tried_within_seconds(tmp_path):
+    """ray.init retried an address where nothing listens for minutes (`scale` was still at it after 150 s),
+    with warnings naming the node's IP instead of the address given."""
+    with socket.socket() as s:  # a loopback port nothing listens on once it is closed
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    start = time.monotonic()
+    done = run("scale", "--run", "r", "--replicas", "2", "--address", address)
+    assert done.returncode == 2 and done.stderr.startswith(f"no Ray answers at {address} (--address): "), (
+        done.stderr
+    )
+    env = {**os.environ, "RAY_ADDRESS": f"ray://{address}"}
+    cmd = [str(RL_CLUSTER), "train", "--config", str(CPU_DEMO), f"bucket.uri={tmp_path / 'b'}"]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith(f"no Ray answers at ray://{address} (RAY_ADDRESS)")
+    assert len(done.stderr.splitlines()) == 1 and time.monotonic() - start < 15
+
+
+def test_ray_that_listens_passes_the_check():
+    from rl_cluster.commands import check_ray_answers
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        check_ray_answers(f"127.0.0.1:{server.getsockname()[1]}", "--address")
+    check_ray_answers("http://127.0.0.1:1", "RAY_ADDRESS")  # not host:port: left to Ray
