@@ -87,9 +87,7 @@ def preflight(config, resume: bool) -> None:
             "--working-dir: the run would be written there and vanish. Pass an absolute path every node "
             "mounts (bucket.uri=/mnt/rl-bucket) or s3://bucket/prefix"
         )
-    address = config.cluster.address or os.environ.get("RAY_ADDRESS")
-    if address and address not in ("local", "auto"):  # as connect() joins it
-        check_ray_answers(address, "cluster.address" if config.cluster.address else "RAY_ADDRESS")
+    check_cluster_answers(config)
     with bucket_errors(f"bucket.uri={config.bucket.uri}"):
         bucket = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url)
         check_writable(bucket)
@@ -149,6 +147,7 @@ def serve(args: argparse.Namespace) -> int:
     """Serve the generators behind the proxy until SIGINT or SIGTERM (rl_cluster.serve)."""
     overrides = [*args.overrides, *([f"proxy.port={args.port}"] if args.port is not None else [])]
     config = load(args.config, overrides)
+    check_cluster_answers(config)
     import asyncio
 
     from rl_cluster.serve import serve as serve_run
@@ -182,6 +181,14 @@ def scale(args: argparse.Namespace) -> int:
     from rl_cluster.scale import scale as scale_pool
 
     return scale_pool(args.run, args.replicas, args.auto, args.address, not args.no_wait, args.timeout)
+
+
+def check_cluster_answers(config) -> None:
+    """check_ray_answers for the cluster a run or `serve` joins (connect()): cluster.address, else
+    RAY_ADDRESS; `local` and `auto` start or find one themselves."""
+    address = config.cluster.address or os.environ.get("RAY_ADDRESS")
+    if address and address not in ("local", "auto"):
+        check_ray_answers(address, "cluster.address" if config.cluster.address else "RAY_ADDRESS")
 
 
 def check_ray_answers(address: str, named: str, timeout_s: float = 5.0) -> None:
