@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import socket
 import sys
@@ -104,6 +105,9 @@ def bucket_errors(what: str) -> Iterator[None]:
     (BucketUnavailable), malformed (ValueError), no credentials or no permission (PermissionError), a
     file where a directory must be (NotADirectoryError: `bucket.uri=some_file/sub`), a read-only mount.
     `what` names the bucket as the user gave it."""
+    retries = logging.getLogger("rl_cluster.bucket.store")
+    level = retries.level
+    retries.setLevel(logging.ERROR)  # its warning per retry: the one line at the end says how many failed
     try:
         yield
     except OSError as e:
@@ -115,6 +119,8 @@ def bucket_errors(what: str) -> Iterator[None]:
         raise UsageError(f"{what}: {cause}") from e
     except (BucketUnavailable, ValueError) as e:
         raise UsageError(str(e)) from e
+    finally:
+        retries.setLevel(level)
 
 
 def open_bucket(args: argparse.Namespace):

@@ -223,3 +223,25 @@ def test_ray_that_listens_passes_the_check():
     with socket.create_server(("127.0.0.1", 0)) as server:
         check_ray_answers(f"127.0.0.1:{server.getsockname()[1]}", "--address")
     check_ray_answers("http://127.0.0.1:1", "RAY_ADDRESS")  # not host:port: left to Ray
+
+
+def test_an_unreachable_bucket_is_one_line_without_a_warning_per_retry(caplog):
+    """The retries' warnings (four before the last try) were printed above the line that sums them up."""
+    import pytest
+
+    from rl_cluster.bucket.store import retrying
+    from rl_cluster.commands import bucket_errors
+    from rl_cluster.core.retry import RetryPolicy
+    from rl_cluster.errors import BucketUnavailable, UsageError
+
+    def unreachable():
+        raise ConnectionError("refused")
+
+    policy = RetryPolicy(attempts=3, first_delay_s=0.001, max_delay_s=0.001)
+    with pytest.raises(UsageError) as refused, bucket_errors("bucket.uri=s3://b/x"):
+        retrying("s3://b/x", policy, "list b/x", unreachable)
+    assert str(refused.value).startswith("bucket s3://b/x unreachable: list b/x failed 3 times in ")
+    assert not caplog.records
+    with pytest.raises(BucketUnavailable):  # and the warnings are back after it
+        retrying("s3://b/x", policy, "list b/x", unreachable)
+    assert len(caplog.records) == 2
