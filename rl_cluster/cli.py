@@ -9,8 +9,8 @@
     rl-cluster runs [--bucket URI]                             the runs in a bucket
 
 Exit status 2 is an expected failure before anything started (a config that does not load, data not
-prepared, a run name taken or not there, a bucket that does not answer): one line per problem, the
-traceback only with --debug. `train` also exits 0 (finished, served = trained), 1 (stopped or failed)
+prepared, a run name taken or not there, a bucket that cannot be used, no Ray at the address given):
+one line per problem, the traceback only with --debug (README.md has every command's statuses). `train` also exits 0 (finished, served = trained), 1 (stopped or failed)
 and 3 (finished, but the served adapter is not the trained one). `jobs/*.py` are this, for `ray job
 submit`, where the console script may not be installed.
 """

@@ -413,7 +413,8 @@ class EvalConfig(Section):
 class LoggingConfig(Section):
     wandb: Literal["offline", "online", "off"] = "offline"
     """Weights & Biases logging of every step's metrics, the evals, the config and the summary. "offline"
-    writes the run under `<trainer's working dir>/wandb/` for `wandb sync` later (no account, no network);
+    writes the run where `wandb_dir` says (`<bucket>/<run>/wandb/` for a directory bucket) for `wandb sync`
+    later (no account, no network);
     "online" needs WANDB_API_KEY in the driver's or the trainer node's environment (never in a
     runtime_env, which the Ray dashboard shows)."""
     wandb_project: str = "rl_cluster"
@@ -444,7 +445,8 @@ class ClusterConfig(Section):
 
 class RunConfig(Section):
     run_name: str
-    """Name of the run: its directory in the bucket and its adapter-name prefix (`<run_name>-vN`)."""
+    """Name of the run: its directory in the bucket and its adapter-name prefix (`<run_name>-vN`). Unset:
+    the TOML's stem and the UTC time it started (`cpu_demo-20261206-074221`), so no two runs share one."""
     model: ModelConfig = ModelConfig()
     lora: LoraConfig = LoraConfig()
     task: TaskConfig = TaskConfig()
@@ -557,6 +559,8 @@ def config_reference(model: type[BaseModel] = RunConfig, prefix: str = "") -> li
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             rows += config_reference(annotation, f"{prefix}{name}.")
         else:
-            default = "required" if field.is_required() else repr(field.default)
+            # run_name is required of a RunConfig, not of a user: load_config names the run when nobody does.
+            unset = "<TOML stem>-<UTC time>" if f"{prefix}{name}" == "run_name" else "required"
+            default = unset if field.is_required() else repr(field.default)
             rows.append((f"{prefix}{name}", default, " ".join((field.description or "").split())))
     return rows

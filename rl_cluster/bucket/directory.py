@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 class DirectoryStore(Store):
     def __init__(self, uri: str, policy: RetryPolicy):
+        if "://" in uri and not uri.startswith("file://"):  # gs://b would be a directory named 'gs:'
+            raise ValueError(f"bucket {uri!r}: a bucket is a directory (or file://...) or s3://bucket/prefix")
         # Not resolved: the root is reported as given; checks resolve it at the time they run.
         self.root = Path(uri.removeprefix("file://")).expanduser().absolute()
         super().__init__(str(self.root), policy)

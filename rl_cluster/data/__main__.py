@@ -47,7 +47,12 @@ def run(args: argparse.Namespace) -> int:
     from rl_cluster.errors import UsageError
 
     config = load(args.config, args.overrides)
+    from rl_cluster.bucket import Bucket
+    from rl_cluster.commands import bucket_errors, check_writable
     from rl_cluster.data import prepare as run_prepare
+
+    with bucket_errors(f"bucket.uri={config.bucket.uri}"):  # now, not after minutes of tokenizing
+        check_writable(Bucket(config.bucket.uri, config.bucket.s3_endpoint_url))
 
     try:
         meta = run_prepare(config)

@@ -48,13 +48,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.replay is not None and not args.model:
         raise UsageError("--replay needs --model")
-    from rl_cluster.bucket import Bucket
+    from rl_cluster.commands import open_bucket
     from rl_cluster.core.experience import format_version_table, total_row, version_table
     from rl_cluster.errors import AdapterError
     from rl_cluster.experience import load_experience
     from rl_cluster.runs import not_found, run_names
 
-    bucket = Bucket(args.bucket, args.s3_endpoint_url)
+    bucket = open_bucket(args)
     if args.run not in run_names(
         bucket, marked=False
     ):  # before blaming experience.enabled: is it the name, or the bucket?

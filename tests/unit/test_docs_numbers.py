@@ -1,0 +1,73 @@
+"""The numbers the docs quote, tied to where they come from: BENCHMARKS.md (written by `make bench`), the
+shipped configs, the code and the Makefile. A re-run of the benchmarks or a changed default that leaves
+a page behind fails here, not in a reader's hands."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+from rl_cluster.core.summary import exit_status
+from rl_cluster.errors import UsageError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def read(name: str) -> str:
+    return (REPO / name).read_text()
+
+
+def benchmark_section(number: int) -> str:
+    return read("BENCHMARKS.md").split(f"\n## {number}. ", 1)[1].split("\n## ", 1)[0]
+
+
+def table_cell(section: str, row: str, column: int) -> str:
+    (line,) = [line for line in section.splitlines() if line.startswith(f"| {row} |")]
+    return line.strip("|").split("|")[column].strip()
+
+
+def test_serving_quotes_the_proxy_capacity_benchmarks_measured():
+    rate = {
+        n: int(table_cell(benchmark_section(6), f"rl_cluster proxy ({n} upstreams)", 1)) for n in (8, 256)
+    }
+    quoted = f"routes {rate[8]:,} requests/s in front of 8 replicas and {rate[256]:,} in front of 256"
+    assert quoted in " ".join(read("docs/serving.md").split()), rate
+
+
+def test_metrics_quotes_the_experience_store_size_benchmarks_measured():
+    per_group = re.search(r"\((\d+) bytes per group", benchmark_section(7)).group(1)
+    assert f"take {per_group} bytes a group" in read("docs/metrics.md")
+
+
+def test_training_names_the_mean_at_k_cpu_math_asks_for():
+    k = tomllib.loads(read("jobs/configs/cpu_math.toml"))["eval"]["samples_k"]
+    assert re.findall(r"mean@(\d+) ≈", read("docs/training.md")) == [str(k)]
+
+
+def test_tests_md_gives_the_chaos_runs_length():
+    steps = int(re.search(r"^CHAOS_STEPS = (\d+)$", read("tests/e2e/test_multinode.py"), re.M).group(1))
+    assert f"set to {steps:,} steps it never reaches" in " ".join(read("docs/tests.md").split())
+
+
+def test_the_readmes_exit_status_table_is_the_codes():
+    table = {
+        line.split("|")[1].strip(): [cell.strip() for cell in line.strip("|").split("|")[1:]]
+        for line in read("README.md").splitlines()
+        if line.startswith("| `")
+    }
+    stopped, finished = {"status": "stopped"}, {"status": "finished"}
+    assert exit_status(stopped) == 1 and "stopped" in table["`train`"][1]
+    assert exit_status(finished | {"served_check": {"checks": 3, "mismatch": 1}}) == 3
+    assert "did not serve the trained adapter" in table["`train`"][3]
+    assert exit_status(finished | {"served_check": {"checks": 3, "mismatch": 0}}) == 0
+    assert UsageError("x").exit_status == 2 and "refused before it started" in table["`train`"][2]
+    assert set(table) == {f"`{c}`" for c in ("train", "serve", "scale", "data", "experience")} | {
+        "`summary`, `runs`"
+    }
+
+
+def test_readme_says_what_make_clean_deletes():
+    removed = re.search(r"^clean:\n\trm -rf (.+)$", read("Makefile"), re.M).group(1).split()
+    assert removed == ["$(VENV)", ".cache", "bucket"]
+    assert "make clean  # deletes .venv/, .cache/ and bucket/" in read("README.md")
