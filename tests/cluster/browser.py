@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -51,9 +52,11 @@ class Browser:
         cookies: dict[str, str] | None = None,
         timeout_s: float = 120,
         size: tuple[int, int] = (1400, 900),
+        fields: dict[str, str] | None = None,
     ) -> str:
         """Open `url` in a new tab, wait until its text holds every string of `expect`, save a PNG of it to
-        `screenshot`; returns the page's text. Fails with the text it saw when `expect` never all showed."""
+        `screenshot`; returns the page's text. Fails with the text it saw when `expect` never all showed.
+        `fields`: text fields to fill in as a user would, by their label (the dashboard's "Page Size")."""
         target = (await self.call("Target.createTarget", url="about:blank"))["targetId"]
         session = (await self.call("Target.attachToTarget", targetId=target, flatten=True))["sessionId"]
         for name, value in (cookies or {}).items():
@@ -65,12 +68,17 @@ class Browser:
         )  # fmt: skip
         await self.call("Page.navigate", session, url=url)
         loop = asyncio.get_running_loop()
-        deadline, text = loop.time() + timeout_s, ""
-        while not all(e in text for e in expect):
+        deadline, text, unfilled = loop.time() + timeout_s, "", dict(fields or {})
+        while unfilled or not all(e in text for e in expect):
             assert loop.time() < deadline, (
-                f"{url} never showed {[e for e in expect if e not in text]}:\n{text}"
+                f"{url} never showed {[e for e in expect if e not in text]} (unfilled: {unfilled}):\n{text}"
             )
             await asyncio.sleep(1)
+            for label, value in list(unfilled.items()):
+                filled = await self.call("Runtime.evaluate", session, expression=_FILL % (json.dumps(label),
+                                         json.dumps(value)), returnByValue=True)  # fmt: skip
+                if filled["result"].get("value"):
+                    del unfilled[label]
             evaluated = await self.call(
                 "Runtime.evaluate", session, expression="document.body ? document.body.innerText : ''",
                 returnByValue=True,
@@ -82,6 +90,18 @@ class Browser:
         screenshot.write_bytes(base64.b64decode(shot["data"]))
         await self.call("Target.closeTarget", targetId=target)
         return text
+
+
+# Types `value` into the input labelled `label` as React sees typing: through the input's own value setter,
+# then an input event (a plain assignment is overwritten by React's state at the next render).
+_FILL = """((label, value) => {
+  const found = [...document.querySelectorAll('label')].find(l => l.textContent.trim() === label);
+  const input = found && document.getElementById(found.htmlFor);
+  if (!input) return false;
+  Object.getOwnPropertyDescriptor(HTMLInputElement.prototype, 'value').set.call(input, value);
+  input.dispatchEvent(new Event('input', {bubbles: true}));
+  return true;
+})(%s, %s)"""
 
 
 @contextlib.asynccontextmanager

@@ -85,15 +85,17 @@ def dashboard_pages(log: Path, work: Path) -> dict[str, str]:
         [ray_cli, "get-auth-token"], capture_output=True, text=True, timeout=60
     ).stdout.strip()
     cookies = {RAY_TOKEN_COOKIE: token} if token else {}
-    actors = [f"{RUN}-trainer", f"{RUN}-proxy", f"{RUN}-generator-g0", f"{RUN}-pool"]
+    # The run's named actors, and Ray Train's controller and rank (the trainer's ranks run under Ray Train).
+    actors = [f"{RUN}-trainer", f"{RUN}-proxy", f"{RUN}-generator-g0", f"{RUN}-pool", "TrainController",
+              "RayTrainWorker"]  # fmt: skip
 
     async def visit() -> dict[str, str]:
         async with browser(work) as chromium:
             jobs = await chromium.show(f"{url.group(1)}/#/jobs", ["train_grpo.py", "RUNNING"],
                                        PICTURES / "dashboard_jobs.png", cookies)  # fmt: skip
-            shown = await chromium.show(
-                f"{url.group(1)}/#/actors", actors, PICTURES / "dashboard_actors.png", cookies
-            )
+            # Ray Train's actors (its controller, the rank, its cleaner) fill the first page of 10 with ours.
+            shown = await chromium.show(f"{url.group(1)}/#/actors", actors, PICTURES / "dashboard_actors.png",
+                                        cookies, fields={"Page Size": "50"})  # fmt: skip
             return {"jobs": jobs, "actors": shown}
 
     return asyncio.run(visit())
