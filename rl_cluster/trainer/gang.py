@@ -15,8 +15,11 @@ from rl_cluster.config import RunConfig
 TRAIN_ENVIRONMENT = {
     # The ranks keep the job's working directory (its relative .cache/ paths), not Train's trial directory.
     "RAY_CHDIR_TO_TRIAL_DIR": "0",
-    # A rank's print stays a print (the progress a user reads), not a line of Train's logger.
+    # A rank's print stays a print (the progress a user reads), not a line of Train's logger; and Train
+    # leaves a rank's logging alone: it would set the root logger to INFO, and TRL's, transformers' and
+    # torch's INFO chatter (a line per weight sync, per stale sample) would fill the driver's console.
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+    "RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING": "0",
     # A gang placed on a busy node, or restarted onto a node that is still joining, may take minutes to
     # start; Train's default of 60 s would count that as a failure and spend a restart.
     "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "600",
