@@ -315,10 +315,12 @@ class PoolController:
             except BaseException as e:  # timed out (no node came), failed to start, or the run ends
                 event.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 print(f"pool: adding {new} failed: {event.error}; given up", flush=True)
+                self.policy.add_failed(time.monotonic())
                 await asyncio.gather(*(discard(self.cluster, rid) for rid in new), return_exceptions=True)
                 if isinstance(e, asyncio.CancelledError):
                     raise
                 return
+        self.policy.add_succeeded()
         event.ready_s = round(time.monotonic() - decided, 3)
         print(f"pool: {new} caught up and active {event.ready_s:.1f} s after the decision", flush=True)
         await first_request(self.cluster.proxy, new, event, decided)

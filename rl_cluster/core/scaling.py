@@ -13,7 +13,10 @@ The pool controller (rl_cluster.pool) samples the proxy every few seconds and ha
   warm caches;
 - never outside [min_replicas, max_replicas], and at most one automatic change per `cooldown_s`;
 - a manual target (an operator's `jobs/scale.py --replicas N`) replaces all of that: the pool goes to N
-  at once and stays there until the operator hands it back (`--auto`).
+  at once and stays there until the operator hands it back (`--auto`);
+- an add that failed (no node came in time, vLLM did not start) holds every later add, manual and
+  "below min_replicas" too, for `cooldown_s`, doubling with each failure in a row up to MAX_BACKOFF_S: a
+  start that fails in seconds is not retried every sample, each time with a new actor.
 
 Hysteresis is built in: adding a replica spreads a fixed demand thinner, but no replica becomes idle
 from that, so growing never by itself triggers a shrink. Time is whatever clock the caller uses
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+MAX_BACKOFF_S = 600.0  # the longest hold after adds that failed in a row
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,17 @@ class ScalingPolicy:
     _idle_since: dict[str, float] = field(default_factory=dict)
     _last_requests: dict[str, int] = field(default_factory=dict)
     _last_change: float = -math.inf
+    _failed_adds: int = 0  # in a row
+    _adds_held_until: float = -math.inf
+
+    def add_failed(self, now: float) -> None:
+        """An add decided earlier failed: hold the next adds, the longer the more failed in a row."""
+        self._failed_adds += 1
+        hold = min(self.rules.cooldown_s * 2 ** (self._failed_adds - 1), MAX_BACKOFF_S)
+        self._adds_held_until = now + hold
+
+    def add_succeeded(self) -> None:
+        self._failed_adds, self._adds_held_until = 0, -math.inf
 
     def set_target(self, target: int | None) -> None:
         """Pin the pool at `target` replicas (None: back to automatic). Refused outside [min, max]."""
@@ -178,7 +194,9 @@ class ScalingPolicy:
                 return self._changed(snap, Decision(remove=remove, reason=reason))
         return None
 
-    def _changed(self, snap: PoolSnapshot, decision: Decision) -> Decision:
+    def _changed(self, snap: PoolSnapshot, decision: Decision) -> Decision | None:
+        if decision.add and snap.time < self._adds_held_until:
+            return None  # after a failed add (add_failed): the windows go on as if nothing was decided
         self._last_change = snap.time
         self._high_since = None
         self._idle_since.clear()

@@ -188,3 +188,36 @@ def test_bounds_default_to_the_started_replicas():
 def test_bad_bounds_are_refused_naming_the_fields(overrides, message):
     with pytest.raises(ValidationError, match=message):
         load_config(None, ["run_name=t", *overrides])
+
+
+def test_an_add_that_failed_holds_the_next_ones_longer_each_time_until_one_succeeds():
+    """A start that fails in seconds (no node can take it, vLLM dies at start) is not retried every sample
+    with a new actor: the next add waits cooldown_s, then twice that, ...; manual and below-min adds too."""
+    policy = ScalingPolicy(
+        ScalingRules(2, 4, up_in_flight=4, up_window_s=10, down_window_s=30, cooldown_s=20)
+    )
+    assert policy.observe(snap(0, (0, 0))) == Decision(add=1, reason="below min_replicas")
+    policy.add_failed(now=5)
+    assert next(t for t in range(5, 60) if policy.observe(snap(t, (0, 0)))) == 25  # held for 20 s
+    policy.add_failed(now=30)
+    assert next(t for t in range(30, 120) if policy.observe(snap(t, (0, 0)))) == 70  # then 40 s
+    policy.add_failed(now=75)
+    policy.set_target(3)  # an operator's target waits too: the same start would fail the same way
+    assert next(t for t in range(75, 200) if policy.observe(snap(t, (0, 0)))) == 155  # then 80 s
+    policy.add_succeeded()
+    policy.set_target(4)
+    assert policy.observe(snap(156, (0, 0), starting=1)) == Decision(add=2, reason="manual: target 4")
+
+
+def test_the_hold_after_failed_adds_is_bounded_and_never_holds_a_shrink():
+    from rl_cluster.core.scaling import MAX_BACKOFF_S
+
+    policy = ScalingPolicy(RULES)
+    for _ in range(20):
+        policy.add_failed(now=0)
+    assert policy.observe(snap(MAX_BACKOFF_S - 1, (0, 0))) is None
+    policy.set_target(2)
+    assert policy.observe(snap(MAX_BACKOFF_S, (0, 0))).add == 1  # 600 s at most, however many failed
+    policy.set_target(1)
+    policy.add_failed(now=1000)
+    assert policy.observe(snap(1001, (0, 0), (0, 0))) == Decision(remove=("g1",), reason="manual: target 1")
