@@ -31,7 +31,11 @@ _BOX = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])")
 # Inputs longer than this, or with exponent towers / huge exponents / big factorials, skip math-verify:
 # sympy may take minutes on them, and in a worker thread nothing can interrupt it.
 _FALLBACK_MAX_CHARS = 200
-_RISKY = re.compile(r"\^\s*\{[^{}]*\^|\^\s*\{?\s*\d{5,}|\d{4,}\s*!")
+# What math-verify would evaluate for minutes (it simplifies with sympy, which expands numbers): an exponent
+# with an exponent inside (2^{3^{4}}), a tower written flat (9^9^9, 9^{9}^{9}), a factorial of a power
+# (10^{10}!), a 5-digit exponent, a factorial of a 4-digit number.
+_POWER = r"\^\s*(?:\{[^{}]*\}|\w+)\s*"
+_RISKY = re.compile(rf"\^\s*\{{[^{{}}]*\^|{_POWER}\^|{_POWER}!|\^\s*\{{?\s*\d{{5,}}|\d{{4,}}\s*!")
 _FALLBACK_TIMEOUT_S = 5
 
 # Trailing words dropped after a number (`12 inches` -> `12`); `\text{...}` units are dropped whatever
@@ -166,7 +170,11 @@ def as_number(normalized: str) -> Fraction | None:
 
 @functools.lru_cache(maxsize=8192)  # a GRPO group's samples often repeat one answer: verify it once
 def _math_verify_equal(predicted: str, reference: str) -> bool:
-    if max(len(predicted), len(reference)) > _FALLBACK_MAX_CHARS or _RISKY.search(predicted + reference):
+    if (
+        max(len(predicted), len(reference)) > _FALLBACK_MAX_CHARS
+        or _RISKY.search(predicted)
+        or _RISKY.search(reference)
+    ):
         return False
     try:
         from math_verify import parse, verify

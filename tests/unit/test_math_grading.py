@@ -207,3 +207,23 @@ def test_grading_module_is_pure():
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    "predicted", [r"9^9^9", r"9^{9}^{9}", r"10^{10}!", r"2^{3^{4}}", r"2^{100000}", "1234!"]
+)
+def test_towers_and_factorials_of_powers_are_never_handed_to_sympy(predicted, monkeypatch):
+    """sympy expands them for minutes, and off the main thread nothing can interrupt it: they are not
+    shown equal, without math-verify ever being asked."""
+    import math_verify
+
+    def asked(*args, **kwargs):
+        raise AssertionError(f"math-verify was asked about {predicted!r}")
+
+    monkeypatch.setattr(math_verify, "parse", asked)
+    assert not answers_match(predicted, r"9^{9^{9}}")
+
+
+@pytest.mark.parametrize("predicted,reference", [(r"2^{10}", "1024"), (r"x^2+1", r"1+x^2")])
+def test_plain_powers_still_reach_math_verify(predicted, reference):
+    assert answers_match(predicted, reference)
