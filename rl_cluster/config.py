@@ -166,6 +166,10 @@ class TrainerConfig(Section):
     """Times Ray Train restarts the trainer's ranks, as one gang, after one died (its process killed, its
     node lost) while the run goes on (Ray Train's FailureConfig.max_failures); the restarted gang resumes
     from the newest verified checkpoint in the bucket."""
+    unresponsive_timeout_s: float = Field(300.0, ge=10)
+    """A rank whose process does not answer Ray Train's health check for this long (SIGSTOPped, a paused
+    VM, its node cut off) counts as dead: the gang restarts, as after a killed rank. The health check is
+    answered beside training, so a rank busy in a long step, an upload or an adapter load still answers."""
     seed: int = 0
     """Seed for LoRA init, data order and sampling."""
     gradient_checkpointing: bool = False
@@ -499,6 +503,10 @@ class RunConfig(Section):
             )
         if not all(c.isalnum() or c in "-_." for c in self.run_name):
             raise ValueError(f"run_name={self.run_name!r} may contain only letters, digits, '-', '_' and '.'")
+        if not self.run_name.strip("."):  # `.` and `..` name a directory that is not the run's
+            raise ValueError(
+                f"run_name={self.run_name!r} needs a letter or digit; dots alone name other directories"
+            )
         return self
 
     @model_validator(mode="after")

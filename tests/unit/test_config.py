@@ -89,6 +89,8 @@ def test_overrides_apply_with_the_fields_types_and_leave_the_rest_alone():
         (["proxy.max_sequences_per_request=64"], r"proxy\.max_n=128 exceeds proxy\.max_sequences_per_request=64"),
         (["task.prompts=jsonl"], r'task\.prompts = "jsonl" needs task\.jsonl_path'),
         (["run_name=../escape"], r"run_name='\.\./escape' may contain only"),
+        (["run_name=.."], r"run_name='\.\.' needs a letter or digit"),  # .cache/logs/.. is not the run's
+        (["run_name=."], r"run_name='\.' needs a letter or digit"),
     ],
 )  # fmt: skip
 def test_bad_values_and_combinations_are_rejected_naming_the_field(overrides, message):
