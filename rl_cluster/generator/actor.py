@@ -179,7 +179,13 @@ class Generator:
             await asyncio.sleep(SUPERVISE_INTERVAL_S)
             rounds += 1
             if rounds % METRICS_EVERY == 1:
-                await self._export_metrics()
+                try:
+                    await self._export_metrics()
+                except Exception as e:  # a malformed /metrics page: the gauges wait, supervision goes on
+                    print(
+                        f"replica {self.replica_id}: metrics not exported: {type(e).__name__}: {e}",
+                        flush=True,
+                    )
             code = self.server.process.poll() if self.server and self.server.process else None
             if code is not None:
                 reason = f"vLLM server exited with code {code}"
@@ -192,8 +198,10 @@ class Generator:
             try:
                 if self._stopping or not await self._restart(reason):
                     return
-            except (RuntimeError, TimeoutError) as e:  # it died again while starting: the next round sees it
-                print(f"replica {self.replica_id}: restart failed: {e}", flush=True)
+            except Exception as e:  # noqa: BLE001  died again while starting, or the proxy could not be told
+                # (a RayActorError while it restarts): the next round sees the server's state again, and the
+                # restarts' budget bounds how often. Ending here would leave the replica unsupervised for good.
+                print(f"replica {self.replica_id}: restart failed: {type(e).__name__}: {e}", flush=True)
 
     async def _export_metrics(self) -> None:
         """The replica's own gauges, and vLLM's KV cache usage and queue lengths from its /metrics."""
@@ -225,11 +233,26 @@ class Generator:
         except (aiohttp.ClientError, TimeoutError):
             return False
 
+    async def _tell_proxy(self, method: str, *args) -> bool:
+        """report_down / report_back; False when the proxy could not be told (it is restarting): it learns
+        the replica's state from its membership when it is restored (rl_cluster.proxy.rejoin), and the
+        restart goes on."""
+        if self.proxy is None:
+            return True  # none to tell
+        try:
+            await getattr(self.proxy, method).remote(self.replica_id, *args)
+            return True
+        except ray.exceptions.RayActorError as e:
+            print(
+                f"replica {self.replica_id}: the proxy was not told ({method}): {type(e).__name__}",
+                flush=True,
+            )
+            return False
+
     async def _restart(self, reason: str) -> bool:
         delay = self.restarts.next_delay(reason)
         limit, what = self.config.generator.max_restarts, f"replica {self.replica_id}: {reason}"
-        if self.proxy is not None:
-            await self.proxy.report_down.remote(self.replica_id, reason)
+        await self._tell_proxy("report_down", reason)
         if delay is None:
             self.spent = True
             print(f"{what}; restart budget ({limit}) spent: it stays out", flush=True)
@@ -243,9 +266,8 @@ class Generator:
         self.prefix_cache.restarted()  # and counts its cache from zero
         self.server.start()
         await self.server.wait_healthy(self.config.generator.startup_timeout_s)
-        if self.proxy is not None:
-            await self.proxy.report_back.remote(self.replica_id)  # answers once it caught up
-        self.held_before_restart = {}
+        if await self._tell_proxy("report_back"):  # answers once it caught up
+            self.held_before_restart = {}  # else the restored proxy catches it up from these
         print(
             f"replica {self.replica_id}: serving again {time.monotonic() - start:.0f}s after the crash",
             flush=True,
