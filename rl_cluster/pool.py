@@ -54,6 +54,11 @@ logger = logging.getLogger(__name__)
 # registered under a fixed one that `jobs/scale.py` (another driver) can look in.
 NAMESPACE = "rl_cluster"
 FIRST_REQUEST_POLL_S = 0.25
+# A new replica that gets no request for a while (a pool with no clients: `serve` idle) is watched less
+# often, then no more: each scale-out's watch would otherwise ask the proxy 4 times a second for ever.
+FIRST_REQUEST_FINE_S = 60.0
+FIRST_REQUEST_COARSE_POLL_S = 5.0
+FIRST_REQUEST_MAX_S = 1800.0
 
 
 def pool_actor_name(run_name: str) -> str:
@@ -73,8 +78,10 @@ def rules_for(g: GeneratorConfig) -> ScalingRules:
 
 
 async def first_request(proxy, new: list[str], event: ScaleEvent, decided: float) -> None:
-    """Watch (finely: it is what a scale-out is measured by) until a new replica got a request."""
-    while True:
+    """Watch (finely: it is what a scale-out is measured by) until a new replica got a request; coarsely
+    after FIRST_REQUEST_FINE_S, and not past FIRST_REQUEST_MAX_S (first_request_s stays None)."""
+    began = time.monotonic()
+    while (watched := time.monotonic() - began) < FIRST_REQUEST_MAX_S:
         replicas = (await proxy.stats.remote())["replicas"]
         if any(replicas.get(rid, {}).get("requests") for rid in new):
             event.first_request_s = round(time.monotonic() - decided, 3)
@@ -83,7 +90,9 @@ async def first_request(proxy, new: list[str], event: ScaleEvent, decided: float
             return
         if not any(rid in replicas for rid in new):
             return  # removed before anything was routed to it
-        await asyncio.sleep(FIRST_REQUEST_POLL_S)
+        await asyncio.sleep(
+            FIRST_REQUEST_POLL_S if watched < FIRST_REQUEST_FINE_S else FIRST_REQUEST_COARSE_POLL_S
+        )
 
 
 async def discard(cluster, rid: str) -> None:
