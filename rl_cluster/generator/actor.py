@@ -129,7 +129,17 @@ class Generator:
             return await self._start(replica_index, proxy)
         except BaseException:
             self._began = False
+            await self._discard_server()  # a start asked again would start a second one beside it
             raise
+
+    async def _discard_server(self) -> None:
+        """The server a failed start made, and its session: stopped, so a start asked again (the pool's
+        mend) does not leave it holding its port and, on a GPU, its memory."""
+        server, session, self.server, self._session, self.vllm = self.server, self._session, None, None, None
+        if session is not None:
+            await session.close()
+        if server is not None:
+            await asyncio.to_thread(server.stop)
 
     def membership(self) -> tuple[str, ActorAdapterLoader, int | None, dict[str, str]] | None:
         """What a proxy needs to route to this replica: (url, control, capacity, held: the adapter versions

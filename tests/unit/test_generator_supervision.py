@@ -1,7 +1,9 @@
-"""The generator actor's supervision of its vLLM server (rl_cluster.generator.actor.Generator._supervise),
-with a stand-in server and proxy: it goes on whatever one round raises. It once ended silently on a
+"""The generator actor's care of its vLLM server (rl_cluster.generator.actor.Generator), with a stand-in
+server and proxy. Its supervision goes on whatever one round raises: it once ended silently on a
 malformed /metrics page, or when the proxy it reports to was itself restarting, and the replica's server
-was never restarted again (reliability review L3)."""
+was never restarted again (reliability review L3). A start that fails stops the server it made: a start
+asked again once left the first one running beside the second, holding its port and, on a GPU, its
+memory (L2)."""
 
 from __future__ import annotations
 
@@ -109,3 +111,24 @@ def test_a_replica_the_proxy_was_not_told_about_reports_what_it_held_until_caugh
     assert generator.server.starts == 1
     # The restored proxy catches it up from what its crashed server held (membership reports it).
     assert generator.held_before_restart == {"t-v3": "/b/t-v3"}
+
+
+class Session:
+    closed = False
+
+    async def close(self):
+        self.closed = True
+
+
+def test_a_start_that_failed_after_its_server_came_up_stops_that_server():
+    generator = a_generator(rounds_before_stop=1)
+    server, session = Server(), Session()
+
+    async def start_then_fail(replica_index, proxy):
+        generator.server, generator._session = server, session
+        raise RuntimeError("the proxy refused the registration")
+
+    generator._start, generator._began, generator.vllm = start_then_fail, False, None
+    with pytest.raises(RuntimeError, match="refused the registration"):
+        asyncio.run(generator.start(0, proxy=None))
+    assert (server.stops, session.closed, generator.server, generator._began) == (1, True, None, False)
