@@ -282,9 +282,14 @@ def summary_table(summary: dict) -> str:
         rows.append((f"fault, {fault['who']}", f"{fault['what']}; {back}"))
     for event in summary.get("scale_events", []):
         rows.append(("pool scaled", f"{event['from']} -> {event['to']}: {event['reason']}"))
+    ranks = summary.get("trainer_ranks") or []
     for actor, where in summary.get("placement", {}).items():
+        if actor == "trainer" and ranks:
+            continue  # each rank's row below says where it runs
         earlier = summary.get("placement_history", {}).get(actor.removeprefix("generator "), [])[:-1]
         before = f" (before: {', '.join(s['address'] for s in earlier)})" if earlier else ""
         rows.append((f"{actor} on", where["address"] + before))
+    for rank, where in enumerate(ranks):
+        rows.append((f"trainer rank {rank}/{len(ranks)}", f"{where['address']} (pid {where['pid']})"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

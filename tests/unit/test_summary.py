@@ -105,6 +105,16 @@ def test_a_run_that_did_not_finish_is_summarised_with_what_it_did():
     assert "failed: RuntimeError: boom" in summary_table(failed)
 
 
+def test_the_table_says_where_each_trainer_rank_runs():
+    placement = {"trainer": {"address": "10.0.0.2", "node_id": "n2", "pid": 71}}
+    s = summarize({"history": history([0.2, 0.3]), "syncs": []}, {}, 5.0, placement=placement)
+    s["trainer_ranks"] = [{"address": "10.0.0.2", "node_id": "n2", "pid": 71},
+                          {"address": "10.0.0.3", "node_id": "n3", "pid": 72}]  # fmt: skip
+    rows = [" ".join(line.split()) for line in summary_table(s).splitlines()]
+    assert "trainer rank 0/2 10.0.0.2 (pid 71)" in rows and "trainer rank 1/2 10.0.0.3 (pid 72)" in rows
+    assert not any(row.startswith("trainer on") for row in rows)  # the ranks' rows say it
+
+
 def test_exit_status_tells_success_mismatch_and_failure_apart():
     def summary(status="finished", *verdicts):
         syncs = [{"check": {"verdict": v, "replicas": [{"floor": 1e-3, "distance": 2e-3}]}} for v in verdicts]
