@@ -140,16 +140,10 @@ class PoolController:
         """Mode, bounds, replicas by condition, and every scale event so far."""
         stats = await self.cluster.proxy.stats.remote()
         snap, by_state = self._snapshot(stats)
-        rules = self.policy.rules
-        return {
-            "mode": "automatic" if self.policy.manual_target is None else "manual",
-            "target": self.policy.manual_target,
-            "min_replicas": rules.min_replicas,
-            "max_replicas": rules.max_replicas,
-            "size": snap.size,
-            **by_state,
-            "events": await self.scale_events(),
-        }
+        rules, target = self.policy.rules, self.policy.manual_target
+        return {"mode": "automatic" if target is None else "manual", "target": target,
+                "min_replicas": rules.min_replicas, "max_replicas": rules.max_replicas, "size": snap.size,
+                **by_state, "events": await self.scale_events()}  # fmt: skip
 
     async def pool_size(self) -> int:
         """Replicas serving now: what generation throughput (and TRL's pipeline limits) can count on."""

@@ -79,6 +79,45 @@ def server_spec(config: RunConfig, model_dir: str, replica_index: int, host: str
     )
 
 
+async def tell_proxy(proxy, replica_id: str, method: str, *args) -> bool:
+    """report_down / report_back; False when the proxy could not be told (it is restarting): it learns the
+    replica's state from its membership when it is restored (rl_cluster.proxy.rejoin), and the restart
+    goes on. True when there is no proxy to tell."""
+    if proxy is None:
+        return True
+    try:
+        await getattr(proxy, method).remote(replica_id, *args)
+        return True
+    except ray.exceptions.RayActorError as e:
+        print(f"replica {replica_id}: the proxy was not told ({method}): {type(e).__name__}", flush=True)
+        return False
+
+
+async def vllm_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float] | None:
+    """vLLM's /metrics at `url`, each sample summed over its labels; None when the server does not answer."""
+    try:
+        async with session.get(f"{url}/metrics", timeout=HEALTH_TIMEOUT) as response:
+            response.raise_for_status()
+            page = await response.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+    return samples
+
+
+def trim_cache(config: RunConfig, cache: Path, newest: str, held: list[str | None]) -> None:
+    """Drop a replica's cached copies outside the live window, except versions vLLM holds or dropped one
+    sync ago (`held`: vLLM re-reads an evicted adapter from its path)."""
+    prefix, _ = split_adapter_dir_name(newest)
+    versions = [split_adapter_dir_name(n) for n in held if n]
+    keep = {version for name, version in filter(None, versions) if name == prefix}
+    apply_cache_retention(cache, config.run_name, prefix, live_window=config.trainer.max_staleness + 2,
+                          keep_every=0, protected=keep)  # fmt: skip
+
+
 class Generator:
     def __init__(
         self,
@@ -218,18 +257,10 @@ class Generator:
         tags = {"replica": self.replica_id}
         self.metrics.set("rl_generator_adapters_loaded", len(self.loaded), **tags)
         self.metrics.set("rl_generator_restarts", self.restarts.used, **tags)
-        try:
-            async with self._session.get(f"{self.server.url}/metrics", timeout=HEALTH_TIMEOUT) as response:
-                response.raise_for_status()
-                page = await response.text()
-        except (aiohttp.ClientError, TimeoutError):
-            self.metrics.set("rl_generator_up", 0, **tags)
+        samples = await vllm_metrics(self._session, self.server.url)
+        self.metrics.set("rl_generator_up", int(samples is not None), **tags)
+        if samples is None:
             return
-        samples: dict[str, float] = {}
-        for family in text_string_to_metric_families(page):
-            for sample in family.samples:
-                samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
-        self.metrics.set("rl_generator_up", 1, **tags)
         for name, value in vllm_gauges(samples).items():
             self.metrics.set(name, value, **tags)
         self.prefix_cache.observe(samples)
@@ -243,26 +274,10 @@ class Generator:
         except (aiohttp.ClientError, TimeoutError):
             return False
 
-    async def _tell_proxy(self, method: str, *args) -> bool:
-        """report_down / report_back; False when the proxy could not be told (it is restarting): it learns
-        the replica's state from its membership when it is restored (rl_cluster.proxy.rejoin), and the
-        restart goes on."""
-        if self.proxy is None:
-            return True  # none to tell
-        try:
-            await getattr(self.proxy, method).remote(self.replica_id, *args)
-            return True
-        except ray.exceptions.RayActorError as e:
-            print(
-                f"replica {self.replica_id}: the proxy was not told ({method}): {type(e).__name__}",
-                flush=True,
-            )
-            return False
-
     async def _restart(self, reason: str) -> bool:
         delay = self.restarts.next_delay(reason)
         limit, what = self.config.generator.max_restarts, f"replica {self.replica_id}: {reason}"
-        await self._tell_proxy("report_down", reason)
+        await tell_proxy(self.proxy, self.replica_id, "report_down", reason)
         if delay is None:
             self.spent = True
             print(f"{what}; restart budget ({limit}) spent: it stays out", flush=True)
@@ -276,7 +291,7 @@ class Generator:
         self.prefix_cache.restarted()  # and counts its cache from zero
         self.server.start()
         await self.server.wait_healthy(self.config.generator.startup_timeout_s)
-        if await self._tell_proxy("report_back"):  # answers once it caught up
+        if await tell_proxy(self.proxy, self.replica_id, "report_back"):  # answers once it caught up
             self.held_before_restart = {}  # else the restored proxy catches it up from these
         print(
             f"replica {self.replica_id}: serving again {time.monotonic() - start:.0f}s after the crash",
@@ -326,19 +341,8 @@ class Generator:
         self.last_unloaded = name
 
     def _trim_cache(self, newest: str) -> None:
-        """Drop cached copies outside the live window, except versions vLLM holds or dropped one sync ago
-        (vLLM re-reads an evicted adapter from its path)."""
-        prefix, _ = split_adapter_dir_name(newest)
-        held = [split_adapter_dir_name(n) for n in (*self.loaded, self.last_unloaded) if n]
-        keep = {version for name, version in filter(None, held) if name == prefix}
-        apply_cache_retention(
-            Path(self.config.bucket.cache_dir) / self.replica_id,
-            self.config.run_name,
-            prefix,
-            live_window=self.config.trainer.max_staleness + 2,
-            keep_every=0,
-            protected=keep,
-        )
+        trim_cache(self.config, Path(self.config.bucket.cache_dir) / self.replica_id, newest,
+                   held=[*self.loaded, self.last_unloaded])  # fmt: skip
 
     async def shutdown(self, drain_timeout_s: float = 30.0) -> None:
         """Leave the proxy (it stops routing here and waits, bounded, for in-flight requests), then stop
