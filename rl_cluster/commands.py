@@ -72,7 +72,9 @@ def preflight(config, resume: bool) -> None:
     """What would stop a run at once, checked before Ray and the generators start (a minute saved, and
     one line instead of a failed run): Ray answers at the address to join, the bucket answers (a
     directory: can be written), the run name is free (for --resume: it has a
-    checkpoint), and a dataset task's prepared data is there. train() checks the name again itself.
+    checkpoint), and a dataset task's prepared data is there: a new run prepares it when it is not (the
+    RayJob and `ray job submit` start one command, with no step before it), a resumed one refuses. train()
+    checks the name again itself.
 
     Under `ray job submit --working-dir`, the driver runs in a copy Ray unpacked on the head, deleted with
     its session: a relative directory bucket.uri (the default `bucket` too) would put the run there,
@@ -94,9 +96,14 @@ def preflight(config, resume: bool) -> None:
         check_writable(bucket)
         (check_resumable if resume else check_fresh_run_name)(bucket, config.run_name)
         if config.task.prompts == "dataset":
-            from rl_cluster.data import prepared_meta
+            from rl_cluster.data import ensure_prepared, prepared_meta
 
-            prepared_meta(config)
+            # A resumed run's checkpoint counts rows of the data it trained on: rows prepared afresh (the
+            # hub's dataset may have changed since) would silently be other rows at the same cursor.
+            if resume:
+                prepared_meta(config)
+            else:
+                ensure_prepared(config)
 
 
 @contextlib.contextmanager

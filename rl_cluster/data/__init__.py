@@ -12,7 +12,8 @@ extracts MATH's boxed answer from a solution (`task.answer_from_solution`), drop
 `<key>` is the dataset's name plus a hash of everything that shapes the rows (the task's dataset fields,
 model.path / revision, whose tokenizer measures the prompts, and the prompt token limit). The run computes
 the same key from its own config, so prepare and train agree without an extra setting, and a run whose
-config changed any of those finds no prepared data and says how to make it instead of reading stale rows.
+config changed any of those finds no prepared data instead of reading stale rows: a new run prepares its
+own before it starts (`ensure_prepared`), a resumed one stops and says how to make it.
 
 A prompt longer than `model.max_model_len - trainer.max_new_tokens` tokens (by the tokenizer's own chat
 template) is dropped at prepare time and counted: vLLM would refuse it, and it must never be sent.
@@ -243,6 +244,18 @@ def prepared_meta(config: RunConfig) -> dict:
             "rl_cluster.data prepare --config <this run's config> <its overrides>` first (the location follows "
             "the task's dataset fields, model.path, model.max_model_len and trainer.max_new_tokens)"
         ) from None
+
+
+def ensure_prepared(config: RunConfig, log=print) -> dict:
+    """This config's prepared data: what is there, else `prepare`d now (a RayJob has no earlier step to run
+    `prepare` in; the key keeps a run from reading rows prepared for another config). Errors as
+    `prepare`'s: FileNotFoundError for data files not there, ValueError for rows it cannot use."""
+    try:
+        return prepared_meta(config)
+    except FileNotFoundError:
+        log(f"no prepared data for this config at {config.bucket.uri}/{PREPARED_ROOT}/{prepared_key(config)}: "
+            "preparing it now, as `python -m rl_cluster.data prepare` would")  # fmt: skip
+    return prepare(config, log=log)
 
 
 def load_prepared(config: RunConfig, split: str = "train"):

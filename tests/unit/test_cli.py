@@ -142,12 +142,16 @@ def test_prepare_before_tiny_math_is_one_line_naming_the_command(tmp_path):
     )
 
 
-def test_train_without_prepared_data_stops_before_ray_with_exit_2(tmp_path):
-    done = run("data", "tiny-math", "--out", "data/tiny_math", "--train-rows", "8", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
+def test_train_whose_data_cannot_be_prepared_stops_before_ray_with_exit_2(tmp_path):
+    """A run prepares data that is not prepared yet (test_data.py); data files that are not there are
+    refused in one line, before any model or Ray is loaded."""
     done = run("train", "--config", str(CPU_MATH), f"bucket.uri={tmp_path / 'b'}", cwd=tmp_path)
     assert done.returncode == 2, done.stdout + done.stderr
-    assert done.stderr.startswith(f"no prepared data for this config at {tmp_path / 'b'}/datasets/")
+    assert done.stdout.startswith(f"no prepared data for this config at {tmp_path / 'b'}/datasets/")
+    assert done.stderr.startswith(
+        "task.data_files: data/tiny_math/train.parquet, data/tiny_math/test.parquet"
+    )
+    assert "tiny-math --out data/tiny_math" in done.stderr
     assert len(done.stderr.splitlines()) == 1 and "Ray" not in done.stdout + done.stderr
 
 

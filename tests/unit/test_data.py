@@ -181,6 +181,35 @@ def test_the_run_refuses_data_prepared_for_another_config(tmp_path, tokenizer_di
         load_prepared(no_eval, "eval")
 
 
+def test_a_new_run_prepares_missing_data_before_it_starts_and_a_resumed_one_refuses(
+    tmp_path, tokenizer_dir, capsys, monkeypatch
+):
+    """`train`'s preflight: the RayJob and `ray job submit` start one command, so a recipe's first run
+    prepares its data itself; the next finds it there. A --resume never prepares afresh."""
+    from rl_cluster.commands import preflight
+    from rl_cluster.errors import UsageError
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # preflight asks nothing of Ray then
+    monkeypatch.setattr("rl_cluster.run.check_resumable", lambda bucket, name: None)  # as if checkpointed
+    overrides = math_overrides(tmp_path, tokenizer_dir)
+    with pytest.raises(UsageError, match="no prepared data"):
+        preflight(load_config(None, [*overrides, "trainer.max_new_tokens=32"]), resume=True)
+    preflight(load_config(None, overrides), resume=False)
+    printed = capsys.readouterr().out
+    assert "no prepared data for this config" in printed and "preparing it now" in printed
+    assert "train: 3 of 5 rows" in printed
+    assert len(load_prepared(load_config(None, overrides))) == 3
+    preflight(load_config(None, [*overrides, "run_name=t2"]), resume=False)
+    assert capsys.readouterr().out == ""  # prepared once: the next run reads it
+    # Data that cannot be prepared is still a refusal before anything starts, in one line.
+    missing = [o for o in overrides if not o.startswith("task.data_files")]
+    missing.append('task.data_files={train=["nowhere/train.parquet"], test=["nowhere/test.parquet"]}')
+    with pytest.raises(
+        UsageError, match=r"^task\.data_files: nowhere/train\.parquet, nowhere/test\.parquet not"
+    ):
+        preflight(load_config(None, [*missing, "run_name=t3"]), resume=False)
+
+
 def test_missing_columns_are_named(tmp_path, tokenizer_dir):
     config = load_config(
         None,
