@@ -25,6 +25,15 @@ def test_every_shipped_config_parses_and_survives_its_resolved_dump(path):
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_config_checkpoints(path):
+    """A trainer that Ray restarts goes on from the newest checkpoint, and --resume needs one: with
+    checkpoint_every 0 the first starts again from step 0 and the second is refused."""
+    t = load_config(path).trainer
+    assert 0 < t.checkpoint_every <= t.max_steps // 2, "at least two checkpoints before the run's end"
+    assert t.keep_checkpoints >= 2  # one that fails its verification leaves the one before it
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_validators_guard_every_shipped_config(path):
     """One step more staleness than a shipped config's adapter slots hold is refused, naming both fields."""
     config = load_config(path)

@@ -509,3 +509,97 @@ def test_dockerfile_installs_the_gpu_extra_from_copied_sources():
     assert installed_at is not None, 'no RUN pip install ".[gpu]"'
     assert {"jobs", "rl_cluster"} <= set(copied)
     assert workdir == "/home/ray/rl_cluster"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The GPU recipes on these clusters: the shape each states, and the commands that start them
+
+RECIPES = sorted(p for p in (REPO / "jobs" / "configs").glob("*.toml") if not p.name.startswith("cpu_"))
+# The recipe header's statement of its cluster, e.g. "1 trainer node with 1 GPU, 4 generator nodes with 1
+# GPU each" (comment lines joined: it may wrap).
+SHAPE = re.compile(
+    r"(?P<trainers>\d+) trainer nodes? with (?P<trainer_gpus>\d+) GPUs?, "
+    r"(?P<generators>\d+) generator nodes? with (?P<generator_gpus>\d+) GPUs? each"
+)
+# A command that starts a run: the script (or the image's copy of it), its --config, its arguments.
+TRAIN = re.compile(r"python (?P<script>\S*jobs/train_grpo\.py) (?P<args>[^\n`\\]*)")
+
+
+def stated_shape(recipe: Path) -> dict[str, int]:
+    header = " ".join(ln.lstrip("#").strip() for ln in recipe.read_text().splitlines() if ln.startswith("#"))
+    match = SHAPE.search(header)
+    assert match, (
+        f"{recipe.name} states no cluster shape ('N trainer node with G GPU, M generator nodes ...')"
+    )
+    return {k: int(v) for k, v in match.groupdict().items()}
+
+
+def cluster_node_types() -> dict[str, tuple[dict, dict]]:
+    """{file: (node types as Ray reads them, the group sizes a first start brings up)}: cluster.yaml after
+    `ray up`'s preparation (its min_workers), each KubeRay spec after the autoscaler's translation (the
+    groups' replicas)."""
+    launcher = check_launcher_config(load(CLUSTER_YAML))["available_node_types"]
+    found = {"cluster.yaml": (launcher, {n: launcher[n]["min_workers"] for n in GROUPS})}
+    for manifest, spec in kuberay_specs().items():
+        derived = check_kuberay_spec(spec)["available_node_types"]
+        found[manifest] = (derived, {n: _group(spec, n).get("replicas", 0) for n in GROUPS})
+    return found
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_each_gpu_recipe_fits_the_shape_it_states_on_every_cluster_file(recipe):
+    """The recipe's trainer and generators fit the node types, the shape it states is what they need (one
+    replica per `generator` resource), and the autoscaler may grow each group to it."""
+    from rl_cluster.config import load_config
+    from rl_cluster.core.placement import Request, unplaceable
+
+    config, shape = load_config(recipe), stated_shape(recipe)
+    t, g = config.trainer, config.generator
+    assert (t.num_gpus, g.num_gpus) == (shape["trainer_gpus"], shape["generator_gpus"]), "GPUs as stated"
+    for name, (types, started) in cluster_node_types().items():
+        trainer, generator = types["trainer"]["resources"], types["generator"]["resources"]
+        assert trainer["GPU"] == shape["trainer_gpus"] and generator["GPU"] == shape["generator_gpus"], name
+        per_node = generator["generator"]  # replicas one generator node holds
+        assert g.replica_bounds[1] == shape["generators"] * per_node, f"{name}: replicas vs stated nodes"
+        assert g.num_gpus * per_node <= generator["GPU"] and t.num_cpus <= trainer["CPU"], name
+        for group, count in (("trainer", shape["trainers"]), ("generator", shape["generators"])):
+            assert types[group]["min_workers"] <= count <= types[group]["max_workers"], (name, group)
+        if name != "cluster.yaml":  # KubeRay starts the groups at `replicas`: the stated shape at once
+            assert started == {"trainer": shape["trainers"], "generator": shape["generators"]}, name
+        # What the run asks Ray for (rl_cluster.connection.placement_requests; the proxy goes on the head).
+        requests = [
+            Request("trainer", {"trainer": 1, "CPU": t.num_cpus, "GPU": t.num_gpus}),
+            Request("generator", {"generator": 1, "GPU": g.num_gpus}),
+        ]
+        assert unplaceable(requests, {}, [types[n]["resources"] for n in GROUPS]) == {}, name
+
+
+def train_commands() -> dict[str, list[str]]:
+    """{where: argv after `python`} of every shipped command that starts a GPU run: the RayJob's entrypoint,
+    and the `ray job submit` lines of the cluster files' headers, the recipes' and the docs."""
+    found = {"rayjob.yaml entrypoint": shlex.split(load(KUBERAY / "rayjob.yaml")["spec"]["entrypoint"])[1:]}
+    texts = [CLUSTER_YAML, KUBERAY / "raycluster.yaml", *RECIPES, REPO / "docs/cluster.md"]
+    for path in texts:
+        text = re.sub(r"\\\n#?\s*", " ", path.read_text())  # a command's continuation lines, in a comment too
+        matches = [m for m in TRAIN.finditer(text) if "--config" in m["args"]]  # not an elided `...` one
+        for i, match in enumerate(matches):
+            found[f"{path.name} #{i}"] = [match["script"], *shlex.split(match["args"])]
+    return found
+
+
+@pytest.mark.parametrize("where", sorted(train_commands()))
+def test_every_shipped_run_command_starts_a_recipe_whose_data_the_run_prepares(where):
+    """Each command runs jobs/train_grpo.py on a shipped recipe, as a new run (no --resume): its preflight
+    then prepares the dataset when the bucket lacks it (tests/unit/test_data.py), so no step is needed
+    before it, which a RayJob could not have. The bucket is the one every node mounts."""
+    from rl_cluster.config import load_config
+
+    script, *args = train_commands()[where]
+    assert script.endswith("jobs/train_grpo.py") and "--resume" not in args, where
+    config_path = args[args.index("--config") + 1]
+    recipe = REPO / config_path.removeprefix(dockerfile_args("WORKDIR")[-1] + "/")
+    assert recipe in RECIPES, f"{where}: {config_path} is not a shipped GPU recipe"
+    overrides = [a for a in args if "=" in a and not a.startswith("-")]
+    config = load_config(recipe, overrides)
+    assert config.task.prompts == "dataset" and config.bucket.uri == BUCKET_PATH, where
+    assert config.trainer.checkpoint_every > 0, where
