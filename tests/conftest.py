@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import faulthandler
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -219,3 +220,40 @@ def http_stub(handler):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def wait_for(
+    log: Path, pattern: str, run: subprocess.Popen, count: int = 1, timeout_s: float = 600
+) -> list[str]:
+    """The first `count` matches of `pattern` in the run's log, once there are that many."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = re.findall(pattern, log.read_text(errors="replace"), re.M)
+        if len(found) >= count:
+            return found
+        assert run.poll() is None, f"the run exited ({run.returncode}):\n{log.read_text()[-6000:]}"
+        time.sleep(0.5)
+    raise AssertionError(f"no {count}x {pattern!r} within {timeout_s:.0f} s:\n{log.read_text()[-6000:]}")
+
+
+def the_runs_process(marker: str, title: bytes, timeout_s: float) -> int:
+    """The pid of the one process of this run (its environment carries `marker`) whose title starts with
+    `title`: vLLM titles its engine core `VLLM::EngineCore`, Ray an actor's worker `ray::<class>`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = []
+        for pid in map(
+            int, subprocess.run(["pgrep", "-f", "."], capture_output=True, text=True).stdout.split()
+        ):
+            try:
+                if (
+                    Path(f"/proc/{pid}/cmdline").read_bytes().startswith(title)
+                    and marker.encode() in Path(f"/proc/{pid}/environ").read_bytes()
+                ):
+                    found.append(pid)
+            except OSError:
+                continue
+        if len(found) == 1:
+            return found[0]
+        time.sleep(0.5)
+    raise AssertionError(f"no single {title.decode()} process of the run within {timeout_s:.0f} s")

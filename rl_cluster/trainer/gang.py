@@ -30,6 +30,8 @@ def fit_ranks(config: RunConfig, proxy_url: str, coordinator) -> None:
     """Run rl_cluster.trainer.rank.rank_main on each rank until every rank returned. Raises Ray Train's
     error when the gang failed more often than trainer.max_restarts allows."""
     os.environ.update(TRAIN_ENVIRONMENT)
+    # Train's controller polls each rank every 2 s; a poll unanswered this long ends the attempt.
+    os.environ["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = str(config.trainer.unresponsive_timeout_s)
     import ray
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer

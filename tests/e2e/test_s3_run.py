@@ -29,7 +29,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import S3_ENV, moto_s3, wait_until_no_vllm_with
+from conftest import S3_ENV, moto_s3, the_runs_process, wait_for, wait_until_no_vllm_with
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.experience import load_experience
@@ -40,46 +40,9 @@ STEPS = 8
 KILLS = 1  # of the engine
 
 
-def wait_for(
-    log: Path, pattern: str, run: subprocess.Popen, count: int = 1, timeout_s: float = 600
-) -> list[str]:
-    """The first `count` matches of `pattern` in the run's log, once there are that many."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = re.findall(pattern, log.read_text(errors="replace"), re.M)
-        if len(found) >= count:
-            return found
-        assert run.poll() is None, f"the run exited ({run.returncode}):\n{log.read_text()[-6000:]}"
-        time.sleep(0.5)
-    raise AssertionError(f"no {count}x {pattern!r} within {timeout_s:.0f} s:\n{log.read_text()[-6000:]}")
-
-
 def last_step(log: Path) -> int:
     steps = re.findall(rf"step +(\d+)/{STEPS}", log.read_text(errors="replace"))
     return int(steps[-1]) if steps else 0
-
-
-def the_runs_process(marker: str, title: bytes, timeout_s: float) -> int:
-    """The pid of the one process of this run (its environment carries `marker`) whose title starts with
-    `title`: vLLM titles its engine core `VLLM::EngineCore`, Ray an actor's worker `ray::<class>`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = []
-        for pid in map(
-            int, subprocess.run(["pgrep", "-f", "."], capture_output=True, text=True).stdout.split()
-        ):
-            try:
-                if (
-                    Path(f"/proc/{pid}/cmdline").read_bytes().startswith(title)
-                    and marker.encode() in Path(f"/proc/{pid}/environ").read_bytes()
-                ):
-                    found.append(pid)
-            except OSError:
-                continue
-        if len(found) == 1:
-            return found[0]
-        time.sleep(0.5)
-    raise AssertionError(f"no single {title.decode()} process of the run within {timeout_s:.0f} s")
 
 
 def test_a_run_through_an_engine_kill_and_a_proxy_kill_on_an_s3_bucket(tmp_path, monkeypatch):
@@ -104,6 +67,10 @@ def test_a_run_through_an_engine_kill_and_a_proxy_kill_on_an_s3_bucket(tmp_path,
             # bf16, as the GPU recipes train: the served-vs-trained check must see past the two kernels'
             # rounding (~1e-2 per token here) and still pass, and the default correction (icepop) trains.
             "model.dtype=bfloat16",
+            # 2.5x the demo's rate: in 8 lockstep steps the adapter moved from the base model by only about
+            # twice the check's bound at 2e-3, and a run whose checks were all "too close to tell" (none a
+            # match) failed CI once; at 5e-3 the later versions are told apart from the base model.
+            "trainer.learning_rate=5e-3",
             "generator.replicas=1",
             "generator.restart_backoff_s=1",
         ]
