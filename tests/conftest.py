@@ -15,6 +15,7 @@ import contextlib
 import faulthandler
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -257,3 +258,14 @@ def the_runs_process(marker: str, title: bytes, timeout_s: float) -> int:
             return found[0]
         time.sleep(0.5)
     raise AssertionError(f"no single {title.decode()} process of the run within {timeout_s:.0f} s")
+
+
+def stop_run(run: subprocess.Popen) -> None:
+    """A run's driver still running when its test ends: SIGINT (the run stops its actors and its local Ray
+    itself), then SIGKILL after 120 s."""
+    if run.poll() is None:
+        run.send_signal(signal.SIGINT)
+        try:
+            run.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            run.kill()

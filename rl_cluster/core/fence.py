@@ -41,6 +41,14 @@ class WriteFence:
             self._lost = why
             self._news.notify_all()
 
+    def news(self) -> tuple[float | None, str | None]:
+        """What this fence was told, to pass on to another writer's fence: (for how long from now the lease
+        is known held, before any margin; None when no news came yet), and why it was lost (None: it was
+        not)."""
+        with self._news:
+            left = None if self._deadline is None else self._deadline + self.margin_s - self.clock()
+            return left, self._lost
+
     def refusal(self) -> str | None:
         """Why a write now would be refused, or None when it is allowed."""
         with self._news:

@@ -67,8 +67,6 @@ class Trainer:
         self.imported: tuple[str, ...] = ()  # what the waiting rank said it imported
         self._placed, self._go, self._stop, self._rank_stopped = (threading.Event() for _ in range(4))
         self._rank_live, self._resume = False, False
-        self._held_until: float | None = None  # monotonic: the lease is known held until then
-        self._lost: str | None = None
         self._error: str | None = None  # a rank's training error
         self._wandb = None
         self._once = Once()  # run(): one training per life of this actor, whoever asks how often
@@ -158,11 +156,9 @@ class Trainer:
         """The driver renewed the run's lease (held `valid_for_s` from when the renewal began), or lost it
         (`lost` says why): the ranks hear it with their next orders; a lost lease also stops the run."""
         if lost is not None:
-            self._lost = lost
             self.fence.lost(lost)
             self._stop.set()
         elif valid_for_s is not None:
-            self._held_until = time.monotonic() + valid_for_s
             self.fence.renewed(valid_for_s)
 
     # -- the ranks' calls ------------------------------------------------------------------------------
@@ -258,8 +254,8 @@ class Trainer:
 
     @ray.method(concurrency_group="rank")
     def rank_orders(self) -> Orders:
-        left = None if self._held_until is None else self._held_until - time.monotonic()
-        return Orders(stop=self._stop.is_set(), lease_left_s=left, lost=self._lost)
+        left, lost = self.fence.news()  # the rank fences its own writes by the same news
+        return Orders(stop=self._stop.is_set(), lease_left_s=left, lost=lost)
 
     @ray.method(concurrency_group="rank")
     def rank_stopped(self, uris: list[str]) -> None:

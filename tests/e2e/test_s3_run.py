@@ -29,7 +29,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import S3_ENV, moto_s3, the_runs_process, wait_for, wait_until_no_vllm_with
+from conftest import S3_ENV, moto_s3, stop_run, the_runs_process, wait_for, wait_until_no_vllm_with
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.experience import load_experience
@@ -93,12 +93,7 @@ def test_a_run_through_an_engine_kill_and_a_proxy_kill_on_an_s3_bucket(tmp_path,
             assert last_step(log) < STEPS, "the run ended before its last crash: nothing tested it"
             assert run.wait(timeout=600) == 0, log.read_text()[-6000:]
         finally:
-            if run.poll() is None:
-                run.send_signal(signal.SIGINT)  # the run stops its actors and its local Ray itself
-                try:
-                    run.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    run.kill()
+            stop_run(run)
         bucket = Bucket("s3://rl-e2e/runs", endpoint)
         summary = json.loads(bucket.read_text(RUN, "summary.json"))
         published = bucket.list_versions(RUN, RUN)

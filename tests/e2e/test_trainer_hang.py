@@ -17,7 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
-from conftest import the_runs_process, wait_for, wait_until_no_vllm_with
+from conftest import stop_run, the_runs_process, wait_for, wait_until_no_vllm_with
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = "e2e-hang"
@@ -75,12 +75,7 @@ def test_a_sigstopped_rank_is_counted_dead_after_its_bound_and_the_gang_resumes(
         finally:
             if stopped is not None and alive(stopped):
                 os.kill(stopped, signal.SIGCONT)  # never leave a stopped process of ours behind
-            if run.poll() is None:
-                run.send_signal(signal.SIGINT)  # the run stops its actors and its local Ray itself
-                try:
-                    run.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    run.kill()
+            stop_run(run)
     assert not wait_until_no_vllm_with(marker), "a vLLM process outlived the run"
     assert not alive(stopped) and not [p for p in its_children if alive(p)], "the hung rank left a process"
     summary = json.loads((bucket / RUN / "summary.json").read_text())

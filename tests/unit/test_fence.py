@@ -54,3 +54,20 @@ def test_a_writer_without_news_waits_for_the_first_then_refuses():
     fence.renewed(60)
     waiting.join(5)
     assert answer == [None]
+
+
+def test_a_fence_passes_on_its_news_without_its_margin():
+    """The trainer's coordinator passes the lease's news on to its rank, whose own fence takes the margin:
+    taken twice, a 60 s lease would leave the rank 30 s of writes instead of 45."""
+    clock = Clock()
+    fence = WriteFence(margin_s=15, first_news_s=0, clock=clock)
+    assert fence.news() == (None, None)
+    fence.renewed(60)
+    clock.now += 10
+    assert fence.news() == (50.0, None)
+    rank = WriteFence(margin_s=15, first_news_s=0, clock=clock)
+    rank.renewed(fence.news()[0])
+    clock.now += 34.9
+    assert rank.refusal() is None  # 44.9 s after the renewal: still inside 60 - 15
+    fence.lost("taken over")
+    assert fence.news()[1] == "taken over"
