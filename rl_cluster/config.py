@@ -179,11 +179,36 @@ class TrainerConfig(Section):
     are packed into rows of at most token_budget unique tokens, one forward and backward each, gradients
     accumulated into the step's one update; 0 trains the step's samples in one forward. At least
     model.max_model_len."""
+    num_workers: int = Field(1, ge=1)
+    """Data-parallel ranks of the trainer (DDP: gloo on CPU, NCCL on GPUs), placed on one node with the
+    `trainer` resource (each rank takes one) and restarted together by Ray Train. Each trains
+    completions_per_step / num_workers samples of every step; rank 0 alone publishes, loads, checkpoints,
+    evaluates and reports."""
     num_cpus: float = Field(1.0, ge=0)
     """CPUs each trainer rank reserves (Ray sets OMP_NUM_THREADS from it); the trainer actor that
     coordinates the ranks, on the driver's node, reserves none."""
     num_gpus: float = Field(0.0, ge=0)
     """GPUs each trainer rank reserves."""
+
+    @model_validator(mode="after")
+    def _ranks(self) -> TrainerConfig:
+        if self.num_workers == 1:
+            return self
+        if self.completions_per_step % self.num_workers:
+            raise ValueError(
+                f"trainer.completions_per_step={self.completions_per_step} does not split evenly into "
+                f"trainer.num_workers={self.num_workers} ranks: make it a multiple of {self.num_workers}"
+            )
+        if self.mode == "sync":
+            raise ValueError(
+                f"trainer.mode = 'sync' runs one trainer rank: use mode = 'async' with num_workers={self.num_workers}"
+            )
+        if self.token_budget:
+            raise ValueError(
+                f"trainer.token_budget={self.token_budget} packs the steps of one trainer rank: use token_budget = 0 "
+                f"with num_workers={self.num_workers} (each rank then trains its share of a step in one forward)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _correction_bounds(self) -> TrainerConfig:

@@ -73,7 +73,7 @@ def connect(config: RunConfig) -> Connection:
         address="local",
         num_cpus=os.cpu_count(),
         # Room for the most generators the pool controller may run (a laptop has no autoscaler).
-        resources={"trainer": 1, "generator": config.generator.replica_bounds[1]},
+        resources={"trainer": config.trainer.num_workers, "generator": config.generator.replica_bounds[1]},
         runtime_env=env,
     )
     return Connection(True, _dashboard(context))
@@ -93,7 +93,8 @@ def placement_requests(config: RunConfig) -> list[Request]:
     else:
         here = ray.get_runtime_context().get_node_id()
     generator = {"generator": 1, "GPU": config.generator.num_gpus}
-    trainer = {"trainer": 1, "CPU": config.trainer.num_cpus, "GPU": config.trainer.num_gpus}
+    t = config.trainer  # its ranks, on one node (STRICT_PACK)
+    trainer = {"trainer": t.num_workers, "CPU": t.num_workers * t.num_cpus, "GPU": t.num_workers * t.num_gpus}
     return [Request("proxy", proxy, here), Request("generator", generator), Request("trainer", trainer)]
 
 

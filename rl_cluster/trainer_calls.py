@@ -74,22 +74,26 @@ def trainer_actor(config: RunConfig, proxy_url: str, secrets):
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from rl_cluster.trainer.actor import TrainerActor
+    from rl_cluster.trainer.actor import trainer_actor_class
 
     here = ray.get_runtime_context()
-    return TrainerActor.options(
-        name=f"{config.run_name}-trainer",
-        num_cpus=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(here.get_node_id(), soft=False),
-        # Ray Train's placement-group cleaner (a detached actor that inherits this environment) asks Ray's
-        # state API with no address: on a machine that runs two Rays it fails, and once removed a live
-        # run's placement group. It asks the run's own cluster.
-        runtime_env={"env_vars": {"RAY_ADDRESS": here.gcs_address}},
-        # A coordinator that dies is restarted, and asked to run again (train_through_restarts): its ranks
-        # resume from a checkpoint. Its other calls (report, placement) are retried by Ray.
-        max_restarts=config.trainer.max_restarts,
-        max_task_retries=config.trainer.max_restarts,
-    ).remote(config, proxy_url, secrets.proxy_token, secrets.replica_key, secrets.environment)
+    return (
+        trainer_actor_class(config.trainer.num_workers)
+        .options(
+            name=f"{config.run_name}-trainer",
+            num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here.get_node_id(), soft=False),
+            # Ray Train's placement-group cleaner (a detached actor that inherits this environment) asks Ray's
+            # state API with no address: on a machine that runs two Rays it fails, and once removed a live
+            # run's placement group. It asks the run's own cluster.
+            runtime_env={"env_vars": {"RAY_ADDRESS": here.gcs_address}},
+            # A coordinator that dies is restarted, and asked to run again (train_through_restarts): its ranks
+            # resume from a checkpoint. Its other calls (report, placement) are retried by Ray.
+            max_restarts=config.trainer.max_restarts,
+            max_task_retries=config.trainer.max_restarts,
+        )
+        .remote(config, proxy_url, secrets.proxy_token, secrets.replica_key, secrets.environment)
+    )
 
 
 class LeaseNews:

@@ -28,7 +28,7 @@ from rl_cluster.trainer.once import Once
 from rl_cluster.trainer.records import Orders, RankHello, RankStart
 from rl_cluster.trainer.wandb_log import start_wandb
 
-PLACED_WAIT_S = 600.0  # placement() waits this long for the first rank to start
+PLACED_WAIT_S = 600.0  # placement() waits this long for rank 0 to start
 GO_WAIT_S = 5.0  # a rank's rank_go() is answered at least this often while the run has not begun
 # stop() waits for the rank to stop publishing: its checkpoint's wait, and one round of its orders.
 STOPPED_WAIT_S = KeptCheckpoints.STOP_WAIT_S + 3.0
@@ -94,10 +94,10 @@ class Trainer:
         self._go.set()
         self._fit.join()
         self._write_metrics()
+        if self._error is not None:  # before the gang's own end: an aborted gang's is only its abort
+            raise TrainingFailed(self._error)
         if self._fit_error is not None:
             raise self._fit_error
-        if self._error is not None:
-            raise TrainingFailed(self._error)
         return self.report()
 
     @ray.method(concurrency_group="control")
@@ -143,11 +143,12 @@ class Trainer:
 
     @ray.method(concurrency_group="control")
     def placement(self) -> dict:
-        """Where rank 0 runs (address, node_id, pid); waits for the first rank to start."""
+        """Where rank 0 runs (address, node_id, pid); waits for it to start."""
         if not self._placed.wait(PLACED_WAIT_S):
+            t = self.config.trainer
             raise RuntimeError(
-                f"no trainer rank started within {PLACED_WAIT_S:.0f} s: does a node with the `trainer` resource "
-                f"have {self.config.trainer.num_cpus} CPUs and {self.config.trainer.num_gpus} GPUs free?"
+                f"no trainer rank started within {PLACED_WAIT_S:.0f} s: does one node have `trainer: {t.num_workers}`, "
+                f"{t.num_workers * t.num_cpus:g} CPUs and {t.num_workers * t.num_gpus:g} GPUs free (the ranks go together)?"
             )
         return self._ranks[0].placement()
 
@@ -169,7 +170,8 @@ class Trainer:
         with self._lock:
             self._ranks[hello.rank] = hello
             self._attempts += hello.rank == 0
-        self._placed.set()
+        if hello.rank == 0:
+            self._placed.set()
 
     @ray.method(concurrency_group="rank")
     def rank_go(self, imported: tuple[str, ...]) -> RankStart | None:
@@ -269,8 +271,11 @@ class Trainer:
         self._rank_stopped.set()
 
     @ray.method(concurrency_group="rank")
-    def rank_failed(self, error: str) -> None:  # run() raises it: TrainingFailed
-        self._error = error
+    def rank_failed(self, error: str, gang=None) -> None:
+        """A rank's training raised (run() raises it); `gang`: Train's controller, to abort ranks left waiting."""
+        self._error = self._error or error
+        if gang is not None:
+            gang.abort.remote()
 
     def _write_metrics(self) -> None:
         if (refused := self.fence.refusal()) is not None:
@@ -281,10 +286,13 @@ class Trainer:
         self.bucket.write_text(self.config.run_name, "metrics.jsonl", lines)
 
 
-# run() holds a thread for the whole run, and a run() asked again (after a partition: it waits for the
-# first) one more. What the driver asks meanwhile has threads of its own: report(), stop(), finish() and
-# placement() in "control", the lease's news in "lease" (held back, it would close the write fence); the
-# ranks' reports and their orders in "rank".
-TrainerActor = ray.remote(max_concurrency=2, concurrency_groups={"control": 2, "lease": 1, "rank": 2})(
-    Trainer
-)
+def trainer_actor_class(num_workers: int = 1):
+    """The coordinator as a Ray actor class for a gang of `num_workers` ranks (Ray sizes concurrency
+    groups on the class, not in .options()).
+
+    run() holds a thread for the whole run, and a run() asked again (after a partition: it waits for the
+    first) one more. What the driver asks meanwhile has threads of its own: report(), stop(), finish() and
+    placement() in "control", the lease's news in "lease" (held back, it would close the write fence); the
+    ranks' calls in "rank": each rank waits in rank_go() at once, and rank 0 reports and asks for orders."""
+    groups = {"control": 2, "lease": 1, "rank": num_workers + 2}
+    return ray.remote(max_concurrency=2, concurrency_groups=groups)(Trainer)

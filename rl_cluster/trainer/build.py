@@ -40,7 +40,7 @@ def grpo_args(config: RunConfig, proxy_url: str, admission: AdmissionWindow):
         lr_scheduler_type=t.lr_scheduler,
         adam_beta2=t.adam_beta2,
         num_generations=t.num_generations,
-        per_device_train_batch_size=t.completions_per_step,
+        per_device_train_batch_size=t.completions_per_step // t.num_workers,  # a step's share per rank
         max_completion_length=t.max_new_tokens,
         temperature=t.temperature,
         max_staleness=t.max_staleness,
@@ -55,6 +55,8 @@ def grpo_args(config: RunConfig, proxy_url: str, admission: AdmissionWindow):
         save_strategy="steps" if t.checkpoint_every else "no",
         save_steps=t.checkpoint_every or 500,
         report_to="none",
+        # Every LoRA weight takes part in each forward: DDP's search for unused ones is a graph walk per step.
+        ddp_find_unused_parameters=False,
         disable_tqdm=True,
         **training_precision_kwargs(),
     )
@@ -100,7 +102,7 @@ def build_trainer(
         args=grpo_args(c, proxy.url, admission),
         train_dataset=dataset,
         peft_config=lora,
-        callbacks=[StepReporter(on_step), CheckpointPublisher(on_checkpoint), StopWhenAsked(stopping)],
+        callbacks=[StepReporter(on_step), CheckpointPublisher(on_checkpoint)],
         run_name=c.run_name,
         bucket=bucket,
         proxy=proxy,
@@ -117,6 +119,7 @@ def build_trainer(
         first_version=max(bucket.list_versions(c.run_name, c.run_name), default=0) + 1,
     )
     quiet_default_printer(trainer)
+    trainer.add_callback(StopWhenAsked(stopping, trainer.accelerator))
     return trainer
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from collections.abc import Callable
 
@@ -24,14 +25,27 @@ class StepReporter(TrainerCallback):
 
 class StopWhenAsked(TrainerCallback):
     """Ends training at the end of the step under way once `asked` is set (the driver is stopping the run:
-    whatever the trainer did after the driver's summary would be missing from it)."""
+    whatever the trainer did after the driver's summary would be missing from it). Rank 0 hears the
+    stop; every rank ends at the same step (a rank that trained on would wait for the others in its next
+    collective for ever), so the flag is all-reduced."""
 
-    def __init__(self, asked: threading.Event):
+    def __init__(self, asked: threading.Event, accelerator):
         self.asked = asked
+        self.accelerator = accelerator
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.asked.is_set():
+        if any_rank(self.accelerator, self.asked.is_set()):
             control.should_training_stop = True
+
+
+def any_rank(accelerator, flag: bool) -> bool:
+    """Whether `flag` is set on any rank (each rank must ask, at the same point)."""
+    if accelerator.num_processes == 1:
+        return flag
+    import torch
+
+    agreed = accelerator.reduce(torch.tensor(int(flag), device=accelerator.device), reduction="sum")
+    return int(agreed.item()) > 0
 
 
 class CheckpointPublisher(TrainerCallback):
@@ -42,5 +56,9 @@ class CheckpointPublisher(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         local = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if os.path.isdir(local):
+        if not os.path.isdir(local):
+            return
+        if state.is_world_process_zero:
             self.publish(state.global_step, local)
+        else:  # another rank's share of the checkpoint (its RNG state) is not kept: rank 0's is
+            shutil.rmtree(local, ignore_errors=True)

@@ -82,19 +82,29 @@ def lora_state(model) -> dict[str, torch.Tensor]:
 
 @contextlib.contextmanager
 def _swapped(model, replace) -> None:
-    """Every parameter and buffer `replace(name, tensor)` gives a new tensor for holds it for a moment;
-    the original tensors (not converted copies) come back, so nothing is lost to rounding."""
-    originals = []
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        new = replace(name, tensor.data)
-        if new is not None:
-            originals.append((tensor, tensor.data))
-            tensor.data = new
+    """Every parameter and buffer `replace(name, tensor)` gives a new tensor for is that tensor for a moment;
+    the original tensors (not converted copies) come back, so nothing is lost to rounding. The module's
+    attributes are swapped, not the tensors' data: a parameter whose data changes dtype loses its gradient
+    accumulator, and with it the hook by which DDP all-reduces its gradient (rank 0's check would leave
+    its gradients out of every later step while the other ranks wait for them). A tensor that two modules
+    share (tied embeddings) is swapped in both."""
+    held = []  # (the owner's _parameters or _buffers, key, the original)
+    new_for: dict[int, torch.Tensor | None] = {}
+    for kind, named in (("_parameters", model.named_parameters), ("_buffers", model.named_buffers)):
+        for name, tensor in list(named(remove_duplicate=False)):
+            if id(tensor) not in new_for:
+                new_for[id(tensor)] = replace(name, tensor.detach())
+            if (new := new_for[id(tensor)]) is None:
+                continue
+            owner_name, _, leaf = name.rpartition(".")
+            owner = getattr(model.get_submodule(owner_name), kind)
+            held.append((owner, leaf, tensor))
+            owner[leaf] = torch.nn.Parameter(new, requires_grad=False) if kind == "_parameters" else new
     try:
         yield
     finally:
-        for tensor, data in originals:
-            tensor.data = data
+        for owner, leaf, tensor in reversed(held):
+            owner[leaf] = tensor
 
 
 def computed_in(model, dtype: torch.dtype):

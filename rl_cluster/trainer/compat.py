@@ -45,7 +45,8 @@ rl_cluster/trainer/batching.py; the rest are here.
    after the one it yields, to see the end of the data coming: before step k trains, step k+1's
    samples are pulled. A lockstep trainer (step k+1 generated after sync k) then waits forever for
    samples that are only admitted after step k, and the async one judges staleness a step early.
-   `without_lookahead` yields each batch as it is pulled (one process: nothing to dispatch).
+   `without_lookahead` yields each batch as it is pulled; with several ranks, rank 0 pulls it when
+   the step starts and broadcasts it, and each rank keeps its row, as the dispatcher does a batch later.
 12. The rollout loop's kwargs travel to a spawned child. TRL first `pickle.dumps` them to fail early on
    lambdas, outside spawning, where multiprocessing's shared arrays cannot be pickled, so TRL refuses
    to start ("must be picklable"): `TrainerPosition` pickles to a placeholder for that check.
@@ -207,7 +208,8 @@ def name_run_adapters(trainer, prefix: str) -> None:
     """Publish `<prefix>-vN` instead of TRL's fixed `trl-policy-vN` (before train(): the rollout worker
     reads the name when its process starts)."""
     trainer._lora_name = prefix
-    trainer.rollout_worker._loop_kwargs["lora_name"] = prefix
+    if trainer.rollout_worker is not None:  # rank 0's
+        trainer.rollout_worker._loop_kwargs["lora_name"] = prefix
 
 
 def bound_score_queue(trainer, groups: int) -> None:
@@ -216,25 +218,34 @@ def bound_score_queue(trainer, groups: int) -> None:
 
 
 class _BatchesAsPulled:
-    """Each batch of a one-process DataLoader moved to the device as it is pulled, no look-ahead (item 11)."""
+    """Each batch moved to the device as it is pulled, no look-ahead (item 11). With several ranks, rank 0
+    pulls (the others' loaders are empty), broadcasts the batch of one row per rank, and each keeps its
+    row; None tells every rank that the data ended."""
 
-    def __init__(self, dataloader, device):
+    def __init__(self, dataloader, accelerator):
         self.dataloader = dataloader
-        self.device = device
+        self.accelerator = accelerator
 
     def __iter__(self):
-        from accelerate.utils import send_to_device
+        from accelerate.utils import broadcast_object_list, send_to_device, slice_tensors
 
-        for batch in self.dataloader:
-            yield send_to_device(batch, self.device)
+        a = self.accelerator
+        pulled = iter(self.dataloader)  # on every rank, as accelerate's dispatcher does
+        if a.num_processes == 1:
+            for batch in pulled:
+                yield send_to_device(batch, a.device)
+            return
+        while True:
+            batch = next(pulled, None) if a.is_main_process else None
+            batch = broadcast_object_list([batch], from_process=0)[0]
+            if batch is None:
+                return
+            yield send_to_device(slice_tensors(batch, slice(a.process_index, a.process_index + 1)), a.device)
 
 
 def without_lookahead(prepared, accelerator):
-    """The trainer's DataLoader without accelerate's fetch-ahead (item 11). With several processes the
-    dispatcher has to broadcast batches, so it stays (the lockstep mode refuses that case)."""
-    if accelerator.num_processes != 1:
-        return prepared
-    return _BatchesAsPulled(prepared.base_dataloader, accelerator.device)
+    """The trainer's DataLoader without accelerate's fetch-ahead (item 11)."""
+    return _BatchesAsPulled(prepared.base_dataloader, accelerator)
 
 
 @contextlib.contextmanager

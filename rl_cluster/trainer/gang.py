@@ -45,7 +45,7 @@ def fit_ranks(config: RunConfig, proxy_url: str, coordinator) -> None:
         train_loop_config={"config": config, "proxy_url": proxy_url, "coordinator": coordinator},
         torch_config=TorchConfig(backend="nccl" if t.num_gpus else "gloo"),
         scaling_config=ray.train.ScalingConfig(
-            num_workers=1,
+            num_workers=t.num_workers,
             use_gpu=t.num_gpus > 0,
             resources_per_worker=resources,
             placement_strategy="STRICT_PACK",

@@ -73,13 +73,17 @@ class BucketSyncTrainer(AdapterSyncTrainer):
             raise ValueError("trainer.mode = 'sync' runs one trainer process; use 'async' with several")
         name_run_adapters(self, run_name)
         self.admission = admission
-        self.position = TrainerPosition(self.rollout_context, limit=admission.limit(pulled=0))
-        pin_group_versions(
-            self, window=self.args.max_staleness, position=self.position, auth_token=proxy.auth_token
-        )
-        bound_score_queue(self, groups=max(1, admission.limit(pulled=0) // self.args.num_generations))
-        self.rollout_queue = _CountingQueue(self.rollout_queue, self._on_pull)
         self._dropped_groups: set[int] = set()
+        # Rank 0 alone has the rollout loop (TRL's child process) and its queue: it pulls every step's
+        # samples, judges their staleness and hands each rank its row.
+        self.position = None
+        if self.accelerator.is_main_process:
+            self.position = TrainerPosition(self.rollout_context, limit=admission.limit(pulled=0))
+            pin_group_versions(
+                self, window=self.args.max_staleness, position=self.position, auth_token=proxy.auth_token
+            )
+            bound_score_queue(self, groups=max(1, admission.limit(pulled=0) // self.args.num_generations))
+            self.rollout_queue = _CountingQueue(self.rollout_queue, self._on_pull)
         # A resumed run's checkpoint remembers the version current when it was taken, but versions were
         # published after it: names are never reused, so numbering continues after the highest one.
         self.first_version = first_version
@@ -144,9 +148,18 @@ class BucketSyncTrainer(AdapterSyncTrainer):
         }
 
     def sync_adapter(self, t0: float) -> tuple[float, float, float]:
+        """Every rank saves (a collective: each gathers its shards) and moves its version; rank 0 alone
+        publishes, loads, unloads and applies retention. The other ranks go on to the next step, where its
+        first collective holds them until rank 0 is done."""
         version = max(self.model_version + 1, self.first_version)
         name = adapter_dir_name(self.adapter_prefix, version)
         model = self.accelerator.unwrap_model(self.model)
+        if not self.accelerator.is_main_process:
+            with tempfile.TemporaryDirectory(prefix="rl_cluster-stage-") as stage:  # rank 0 writes the files
+                save_lora_adapter(model, self.accelerator, self.peft_adapter, os.path.join(stage, name))
+            self.model_version = version
+            now = time.time()
+            return now, now, now
         peft_config = model.peft_config[self.peft_adapter]
         with tempfile.TemporaryDirectory(prefix="rl_cluster-stage-") as stage:
             save_lora_adapter(model, self.accelerator, self.peft_adapter, os.path.join(stage, name))

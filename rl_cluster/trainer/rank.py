@@ -73,16 +73,27 @@ def rank_main(loop_config: dict) -> None:
     while start is None:  # until the driver asks the coordinator to train (its generators serve then)
         start = ray.get(coordinator.rank_go.remote(imported))
     try:
-        Rank(loop_config["config"], loop_config["proxy_url"], coordinator, start).train()
+        Rank(loop_config["config"], loop_config["proxy_url"], coordinator, start, hello).train()
     except Exception as e:
         traceback.print_exc()
-        ray.get(coordinator.rank_failed.remote(f"{type(e).__name__}: {e}"))
+        # The other ranks wait for this one in a collective: the coordinator ends the gang's run.
+        several = hello.world_size > 1
+        who = f"rank {hello.rank}: " if several else ""
+        ray.get(
+            coordinator.rank_failed.remote(
+                f"{who}{type(e).__name__}: {e}", train_controller() if several else None
+            )
+        )
 
 
 class Rank:
-    def __init__(self, config: RunConfig, proxy_url: str, coordinator, start: RankStart):
+    """Every rank builds TRL's trainer and joins its collectives (the step's gradients, the adapter's
+    save, the stop); rank 0 alone pulls the rollouts and does the I/O and the reports."""
+
+    def __init__(self, config: RunConfig, proxy_url: str, coordinator, start: RankStart, hello: RankHello):
         os.environ.update(start.environment)
-        self.config, self.coordinator, self.start = config, coordinator, start
+        self.config, self.coordinator, self.start, self.hello = config, coordinator, start, hello
+        self.main = hello.rank == 0
         configured = config.proxy.auth_token
         token = start.proxy_token or (configured.get_secret_value() if configured else None)
         self.proxy = ProxyClient(proxy_url, token)
@@ -134,6 +145,8 @@ class Rank:
         return {k: now[k] + self._groups_before.get(k, 0) for k in now}
 
     def _on_step(self, step: int, logs: dict) -> None:
+        if not self.main:  # TRL logs on every rank; rank 0's record is the run's
+            return
         record = step_record(step, logs, self.trainer.model_version, self.last_sync.get("handoff_s"))
         gauges, observed = step_values(record)
         for name, value in gauges.items():
@@ -208,6 +221,9 @@ class Rank:
         checkpoint, resumed_from_step = self._resume_point()
         dataset = load_prompts(c)
         self._build_trainer(model_dir, dataset)
+        if not self.main:
+            train_to_max_steps(self.trainer, checkpoint)  # rank 0 tells when it stops, and what
+            return
         self._training.set()
         orders = threading.Thread(target=self._follow_orders, name="trainer-orders", daemon=True)
         orders.start()
@@ -227,10 +243,28 @@ class Rank:
 
     def _resume_point(self) -> tuple[str | None, int | None]:
         """The checkpoint to continue from (its record restored at the coordinator), or None for a fresh
-        start. A gang Ray Train restarted continues like `resume`, from step 0 when no checkpoint was made."""
+        start. A gang Ray Train restarted continues like `resume`, from step 0 when no checkpoint was made.
+        Rank 0 chooses it; every rank resumes from the same step, each from its own copy."""
         c, restarted = self.config, self.start.attempt > 0
         if not (self.start.resume or restarted):
             return None, None
+        checkpoint, step = self._newest_checkpoint() if self.main else (None, None)
+        if self.hello.world_size > 1:
+            import torch.distributed as dist
+
+            chosen = [step]
+            dist.broadcast_object_list(chosen, src=0)
+            step = chosen[0]
+            if not self.main and step is not None:
+                checkpoint = str(self.bucket.fetch_checkpoint(
+                    self.bucket.checkpoint_uri(c.run_name, step), base_fingerprint=self._base_fingerprint,
+                    cache_dir=Path(c.bucket.cache_dir, f".rank-{self.hello.rank}"),  # its own copy (S3)
+                ))  # fmt: skip
+        return checkpoint, step
+
+    def _newest_checkpoint(self) -> tuple[str | None, int | None]:
+        """Rank 0's choice: the newest verified checkpoint, its record told to the coordinator."""
+        c, restarted = self.config, self.start.attempt > 0
         checkpoint, step = newest_checkpoint(
             self.bucket, c, self._base_fingerprint, required=self.start.resume
         )
@@ -246,14 +280,16 @@ class Rank:
         return checkpoint, step
 
     def _build_trainer(self, model_dir: Path, dataset):
-        """TRL's trainer, reporting here; the experience writer, the held-out eval and the check's prompt
-        around it."""
+        """TRL's trainer, reporting here; rank 0's experience writer, held-out eval and check's prompt around
+        it."""
         c = self.config
         self.trainer = build_trainer(
             c, model_dir, dataset, bucket=self.bucket, proxy=self.proxy, base_fingerprint=self._base_fingerprint,
             on_step=self._on_step, on_checkpoint=self._publish_checkpoint, on_sync=self._on_sync,
             on_sample=self._on_sample, stopping=self.checkpoints.stopping, fence=self.fence,
         )  # fmt: skip
+        if not self.main:
+            return
         self._experience = experience_writer(c, self.bucket)
         if c.eval.every_steps:
             from rl_cluster.trainer.evaluation import EvalCallback
@@ -264,3 +300,12 @@ class Rank:
         self._check_prompt_ids = self.trainer.processing_class.apply_chat_template(
             dataset[0]["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
         )
+
+
+def train_controller():
+    """Ray Train's controller of the calling rank's gang, whose abort() ends the run with no restart: an
+    error of the training on one rank, while the others wait for it in a collective. Ray 2.60 gives a rank
+    no public call for that (an exception restarts the gang), so this reads the rank's own Train context."""
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    return get_train_context().controller_actor

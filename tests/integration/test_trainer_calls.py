@@ -107,7 +107,7 @@ async def test_the_driver_is_answered_while_run_and_a_run_asked_again_hold_the_t
     (with two threads in all, stop() never arrived and the lease's news would close the write fence)."""
     from conftest import tiny_run_config
 
-    from rl_cluster.trainer.actor import TrainerActor
+    from rl_cluster.trainer.actor import trainer_actor_class
 
     def _hold(trainer, started: str) -> None:  # in the actor (travels by value), a thread of run()'s group
         import time
@@ -117,7 +117,7 @@ async def test_the_driver_is_answered_while_run_and_a_run_asked_again_hold_the_t
         time.sleep(600)
 
     config = tiny_run_config("held", tmp_path / "no-model-needed", tmp_path)
-    trainer = TrainerActor.options(num_cpus=0).remote(config, "http://127.0.0.1:9")
+    trainer = trainer_actor_class().options(num_cpus=0).remote(config, "http://127.0.0.1:9")
     started = tmp_path / "started"
     try:
         held = [trainer.__ray_call__.remote(_hold, str(started)) for _ in range(2)]

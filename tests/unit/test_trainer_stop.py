@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from transformers import TrainerControl
@@ -63,7 +64,7 @@ def test_stop_waits_for_the_checkpoint_being_published_and_none_is_published_aft
 
 def test_training_ends_at_the_step_end_once_stop_was_asked():
     asked = threading.Event()
-    callback, control = StopWhenAsked(asked), TrainerControl()
+    callback, control = StopWhenAsked(asked, SimpleNamespace(num_processes=1)), TrainerControl()  # one rank
     callback.on_step_end(None, None, control)
     assert not control.should_training_stop
     asked.set()
