@@ -35,8 +35,9 @@ from prometheus_client.parser import text_string_to_metric_families
 pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]
-NODES = {"head": {}, "trainer": {"trainer": 1}, "gen0": {"generator": 1}, "gen1": {"generator": 1},
-         "spare": {"generator": 1}, "spare2": {"generator": 1}, "trainer2": {"trainer": 1}}  # fmt: skip
+# A trainer node holds two ranks (the resume run trains on two, the chaos run on one).
+NODES = {"head": {}, "trainer": {"trainer": 2}, "gen0": {"generator": 1}, "gen1": {"generator": 1},
+         "spare": {"generator": 1}, "spare2": {"generator": 1}, "trainer2": {"trainer": 2}}  # fmt: skip
 SPARE = ("spare", "spare2", "trainer2")  # they join mid-run, in the chaos run
 HUB_ID = "local/tiny-qwen2"
 # In the head's environment only, as a pod spec's secret would put them: the driver inherits them and hands
@@ -597,15 +598,16 @@ def adapter_tensors(path: Path) -> dict:
 
 
 def test_a_killed_trainer_a_stopped_job_and_a_killed_driver_resume(cluster, hub_env, tmp_path):
-    """(a) SIGKILL the trainer's rank (its Ray Train worker): Ray Train restarts the gang, which resumes from
-    the newest checkpoint;
+    """Two trainer ranks (DDP over gloo) on one trainer node. (a) SIGKILL rank 1 (a Ray Train worker): Ray
+    Train restarts the whole gang, which resumes from the newest checkpoint, every rank from the same step;
     then `ray job stop` ends the run with its summary written and nothing left running. (b) SIGKILL the
     driver of the run continued with --resume: the job dies, and (c) --resume once more takes it to its
     max_steps. Versions are never renumbered; the resumed policy is the checkpoint's (its first published
     adapter holds the checkpoint's weights, bit for bit)."""
     bucket, run = tmp_path / "bucket", "mn-resume"
     keep = [f"bucket.uri={bucket}", f"model.path={HUB_ID}", "trainer.checkpoint_every=4",
-            "trainer.keep_checkpoints=20", "bucket.keep_every=1"]  # fmt: skip
+            "trainer.keep_checkpoints=20", "bucket.keep_every=1", "trainer.num_workers=2",
+            "trainer.num_cpus=0.5"]  # fmt: skip
     submit(cluster, "rlc-res-a", hub_env, [f"run_name={run}", "trainer.max_steps=24", *keep])
     # Killed as soon as checkpoint 8 is committed (its manifest): polling the job's log took seconds a
     # round, and a fast trainer had finished all 16 steps before the kill landed (then its restart
@@ -613,10 +615,15 @@ def test_a_killed_trainer_a_stopped_job_and_a_killed_driver_resume(cluster, hub_
     wait_for_file(bucket / run / "checkpoints" / "step-8" / "manifest.json", 900)
     # The trainer's node: the chaos run before may have moved it to the second trainer node.
     (node,) = (n for n in sorted(cluster.up) if pids_running(cluster, n, b"ray::RayTrainWorker"))
-    (trainer_pid,) = pids_running(cluster, node, b"ray::RayTrainWorker")
-    rollout_children = [p for p in cluster.pids()[node] if parent_pid(p) == trainer_pid]
-    assert rollout_children  # TRL's rollout worker, a spawned process of the trainer
-    cluster.run(node, ["kill", "-9", str(trainer_pid)])
+    ranks = dict(re.findall(r"trainer rank (\d)/2 on \S+ \(pid (\d+)\)", job_logs(cluster, "rlc-res-a")))
+    assert sorted(map(int, ranks.values())) == sorted(pids_running(cluster, node, b"ray::RayTrainWorker")), (
+        ranks
+    )
+    rank0, rank1 = int(ranks["0"]), int(ranks["1"])
+    rollout_children = [p for p in cluster.pids()[node] if parent_pid(p) == rank0]
+    assert rollout_children  # TRL's rollout worker, a spawned process of rank 0 alone
+    assert not [p for p in cluster.pids()[node] if parent_pid(p) == rank1]
+    cluster.run(node, ["kill", "-9", str(rank1)])
     resumed = wait_for_log(cluster, "rlc-res-a", r"trainer restarted by Ray: resuming from checkpoint step (\d+); "
                                                  r"versions continue after v(\d+)", 600)  # fmt: skip
     ckpt, highest = int(resumed.group(1)), int(resumed.group(2))
@@ -632,6 +639,10 @@ def test_a_killed_trainer_a_stopped_job_and_a_killed_driver_resume(cluster, hub_
         ckpt,
     )
     assert ckpt + 4 <= summary["steps"] < 24 and summary["groups"]["failed"] == 0, summary
+    # The restarted gang's two ranks (new processes), on the trainer's node.
+    placed = summary["trainer_ranks"]
+    assert [r["address"] for r in placed] == [cluster.addresses[node]] * 2, placed
+    assert not {r["pid"] for r in placed} & {rank0, rank1}, placed
     numbers = [int(name.rsplit("-v", 1)[1]) for name in summary["versions_published"]]
     # The record up to the checkpoint, then versions after the highest ever published (the ones published
     # between the checkpoint and the kill belong to training that was thrown away).
@@ -653,7 +664,7 @@ def test_a_killed_trainer_a_stopped_job_and_a_killed_driver_resume(cluster, hub_
     saved = adapter_tensors(bucket / run / "checkpoints" / f"step-{ckpt}")
     assert restored.keys() == saved.keys()
     assert all((restored[name] == saved[name]).all() for name in saved)
-    # No orphan: the killed trainer's rollout child went with it.
+    # No orphan: rank 0, ended with its gang, took its rollout child with it.
     assert not [p for p in rollout_children if alive(p)], rollout_children
 
     # (b) continue the stopped run for two more checkpoints; kill that job's driver at the first.
