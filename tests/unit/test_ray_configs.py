@@ -568,7 +568,14 @@ def test_each_gpu_recipe_fits_the_shape_it_states_on_every_cluster_file(recipe):
             assert started == {"trainer": shape["trainers"], "generator": shape["generators"]}, name
         # What the run asks Ray for (rl_cluster.connection.placement_requests; the proxy goes on the head).
         requests = [
-            Request("trainer", {"trainer": 1, "CPU": t.num_cpus, "GPU": t.num_gpus}),
+            Request(
+                "trainer",
+                {
+                    "trainer": t.num_workers,
+                    "CPU": t.num_workers * t.num_cpus,
+                    "GPU": t.num_workers * t.num_gpus,
+                },
+            ),  # its ranks, on one node
             Request("generator", {"generator": 1, "GPU": g.num_gpus}),
         ]
         assert unplaceable(requests, {}, [types[n]["resources"] for n in GROUPS]) == {}, name
