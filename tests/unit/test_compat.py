@@ -315,6 +315,26 @@ def test_accelerate_pulls_the_next_batch_before_yielding_one():
     assert source.pulled == 3
 
 
+def test_with_two_ranks_rank_0_pulls_each_batch_as_the_step_starts_and_each_rank_gets_its_row(tmp_path):
+    """Item 11 with several ranks: rank 0 pulls a batch only when it is yielded, broadcasts it, and each
+    rank trains its own row; the end of rank 0's data ends every rank's loop."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    rendezvous = f"file://{tmp_path / 'rendezvous'}"
+    ranks = [ctx.Process(target=spawn_targets.rank_pulls, args=(r, rendezvous, out)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    try:
+        seen = dict(out.get(timeout=120) for _ in ranks)
+    finally:
+        for p in ranks:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert seen[0] == [([[1]], 1), ([[2]], 2), ([[3]], 3)]  # pulled: exactly the batches yielded
+    assert [rows for rows, _ in seen[1]] == [[[10]], [[20]], [[30]]]
+
+
 def _read_position(position, out):
     out.put((position[rollout.TrainerPosition.LIMIT], position[rollout.TrainerPosition.PULLED]))
     position.add(rollout.TrainerPosition.SCORED, 5)
