@@ -260,6 +260,21 @@ def the_runs_process(marker: str, title: bytes, timeout_s: float) -> int:
     raise AssertionError(f"no single {title.decode()} process of the run within {timeout_s:.0f} s")
 
 
+def parent_pid(pid: int) -> int | None:
+    """The parent of a process, from /proc (None once it is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
 def stop_run(run: subprocess.Popen) -> None:
     """A run's driver still running when its test ends: SIGINT (the run stops its actors and its local Ray
     itself), then SIGKILL after 120 s."""

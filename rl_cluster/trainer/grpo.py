@@ -69,8 +69,6 @@ class BucketSyncTrainer(AdapterSyncTrainer):
                 "rl_cluster publishes LoRA adapters only: the trainer needs a PEFT LoRA config and generators "
                 "started with --enable-lora (check generator.max_loras and generator.max_lora_rank)"
             )
-        if admission.window == 0 and self.accelerator.num_processes > 1:
-            raise ValueError("trainer.mode = 'sync' runs one trainer process; use 'async' with several")
         name_run_adapters(self, run_name)
         self.admission = admission
         self._dropped_groups: set[int] = set()

@@ -30,6 +30,7 @@ import pytest
 from cluster.hub import write_hub_cache
 from cluster.metric_names import all_metric_names
 from cluster.netns import NamespaceCluster
+from conftest import alive, parent_pid
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.vllm
@@ -355,20 +356,6 @@ def pids_running(cluster: NamespaceCluster, node: str, marker: bytes) -> list[in
         except OSError:
             continue
     return found
-
-
-def parent_pid(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"  # a zombie has exited
-    except OSError:
-        return False
 
 
 # Never reached: the test stops the run (Ctrl-C) once every fault is over. No fixed length fits every

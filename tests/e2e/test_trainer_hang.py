@@ -17,7 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
-from conftest import stop_run, the_runs_process, wait_for, wait_until_no_vllm_with
+from conftest import alive, parent_pid, stop_run, the_runs_process, wait_for, wait_until_no_vllm_with
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = "e2e-hang"
@@ -26,21 +26,11 @@ UNRESPONSIVE_S = 20
 
 
 def children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(") ", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"  # a zombie has exited
-    except OSError:
-        return False
+    return [
+        int(stat.parent.name)
+        for stat in Path("/proc").glob("[0-9]*/stat")
+        if parent_pid(int(stat.parent.name)) == pid
+    ]
 
 
 def test_a_sigstopped_rank_is_counted_dead_after_its_bound_and_the_gang_resumes(tmp_path):
