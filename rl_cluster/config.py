@@ -203,11 +203,6 @@ class TrainerConfig(Section):
             raise ValueError(
                 f"trainer.mode = 'sync' runs one trainer rank: use mode = 'async' with num_workers={self.num_workers}"
             )
-        if self.token_budget:
-            raise ValueError(
-                f"trainer.token_budget={self.token_budget} packs the steps of one trainer rank: use token_budget = 0 "
-                f"with num_workers={self.num_workers} (each rank then trains its share of a step in one forward)"
-            )
         return self
 
     @model_validator(mode="after")

@@ -14,6 +14,11 @@ forward over all of them).
 The Trainer loop runs one optimizer step per `gradient_accumulation_steps` items and cannot take a
 number of micro-batches that varies per step, so the loader yields one item per step,
 `{"micro_batches": [...]}`, and the trainer's `training_step` runs its rows (`train_rows`).
+
+With N trainer ranks a step's rows become micro-batches of one row per rank (`micro_batches`): every
+rank runs as many forwards and backwards as the others (each backward all-reduces the gradients, so a
+rank with one row more would wait for ever), and rank 0, which alone pulls samples, hands each rank its
+row of each micro-batch (compat item 11's broadcast).
 """
 
 from __future__ import annotations
@@ -75,11 +80,50 @@ def _has_room(row: TreeRow, group: TreeRow, token_budget: int) -> bool:
     return len(row.tokens) + len(group.tokens) <= token_budget and row.trained + group.trained <= token_budget
 
 
-class StepPacker(torch.utils.data.IterableDataset):
-    """One item per optimizer step: the next `samples_per_step` samples of `dataset`, packed into rows
-    (`pack_rows`). It pulls exactly the samples of the step it yields, never one ahead."""
+def _halves(row: TreeRow) -> list[TreeRow]:
+    """A row of several samples as two rows of half of them each (a group's samples stay in order, so a
+    split cuts at most one group)."""
+    cut = len(row.samples) // 2
+    halves = [TreeRow(), TreeRow()]
+    for k, sample in enumerate(row.samples):
+        halves[k >= cut].add(sample)
+    return halves
 
-    def __init__(self, dataset: Iterable[dict[str, Any]], samples_per_step: int, token_budget: int):
+
+def micro_batches(rows: list[TreeRow], num_processes: int) -> list[list[TreeRow]]:
+    """A step's rows as micro-batches of one row per rank, every rank given as many rows. Rows are split
+    (the one of most samples first) until their number divides by `num_processes`: a row of one sample
+    never needs to be, since a step of only such rows has `completions_per_step` of them, a multiple of
+    the ranks. Each rank then gets a share of rows balanced by attention cost (costliest row first to the
+    least loaded rank with room, as TRL's planner places groups), and the k-th micro-batch pairs each
+    rank's k-th costliest row, so that the ranks' forwards between two all-reduces take alike."""
+    rows = list(rows)
+    while len(rows) % num_processes:
+        largest = max(rows, key=lambda row: len(row.samples))
+        if len(largest.samples) < 2:
+            raise ValueError(
+                f"{len(rows)} single-sample rows cannot be shared by {num_processes} ranks: a step must be a "
+                "multiple of trainer.num_workers samples"
+            )
+        rows.remove(largest)
+        rows += _halves(largest)
+    per_rank = len(rows) // num_processes
+    shares: list[list[TreeRow]] = [[] for _ in range(num_processes)]
+    loads = [0] * num_processes
+    for row in sorted(rows, key=lambda row: row.load, reverse=True):
+        rank = min((r for r in range(num_processes) if len(shares[r]) < per_rank), key=lambda r: loads[r])
+        shares[rank].append(row)
+        loads[rank] += row.load
+    return [list(batch) for batch in zip(*shares, strict=True)]
+
+
+class StepPacker(torch.utils.data.IterableDataset):
+    """One item per optimizer step: the next `samples_per_step` samples of `dataset` (the whole step, every
+    rank's share), packed into rows (`pack_rows`) and laid out as micro-batches of one row per rank
+    (`micro_batches`). It pulls exactly the samples of the step it yields, never one ahead."""
+
+    def __init__(self, dataset: Iterable[dict[str, Any]], samples_per_step: int, token_budget: int,
+                 num_processes: int = 1):  # fmt: skip
         if samples_per_step < 1 or token_budget < 1:
             raise ValueError(
                 f"samples_per_step={samples_per_step}, token_budget={token_budget}: both must be > 0"
@@ -87,20 +131,21 @@ class StepPacker(torch.utils.data.IterableDataset):
         self.dataset = dataset
         self.samples_per_step = samples_per_step
         self.token_budget = token_budget
+        self.num_processes = num_processes
 
-    def __iter__(self) -> Iterator[list[TreeRow]]:
+    def __iter__(self) -> Iterator[list[list[TreeRow]]]:
         step: list[dict[str, Any]] = []
         for sample in self.dataset:
             step.append(sample)
             if len(step) == self.samples_per_step:
-                yield pack_rows(step, self.token_budget)
+                yield micro_batches(pack_rows(step, self.token_budget), self.num_processes)
                 step = []
 
 
-def collate_step(rows: list[TreeRow], collate) -> dict[str, list[dict[str, Any]]]:
-    """One step's rows through TRL's collator (one row per micro-batch: one process), each micro-batch
-    told the step's trained-token count so its loss is normalised over the whole step."""
-    micro_batches = [collate([[row]]) for row in rows]
+def collate_step(batches: list[list[TreeRow]], collate) -> dict[str, list[dict[str, Any]]]:
+    """One step's micro-batches through TRL's collator (one row per rank in each), each told the step's
+    trained-token count (all ranks' rows) so its loss is normalised over the whole step."""
+    micro_batches = [collate([rows]) for rows in batches]
     step_tokens = sum(float(batch["global_n_tokens"][0]) for batch in micro_batches)
     for batch in micro_batches:
         batch[STEP_TOKENS] = torch.full_like(batch["global_n_tokens"], step_tokens)
@@ -108,32 +153,32 @@ def collate_step(rows: list[TreeRow], collate) -> dict[str, list[dict[str, Any]]
 
 
 class _PackedSteps:
-    """The trainer's loader with token_budget: one collated step per item, on the device."""
+    """Rank 0's steps with token_budget: one collated step per item, every rank's rows in it."""
 
-    def __init__(self, packer: StepPacker, collate, device):
+    def __init__(self, packer: StepPacker, collate):
         self.packer = packer
         self.collate = collate
-        self.device = device
 
     def __iter__(self):
-        from accelerate.utils import send_to_device
-
-        for rows in self.packer:
-            yield send_to_device(collate_step(rows, self.collate), self.device)
+        for batches in self.packer:
+            yield collate_step(batches, self.collate)
 
 
-def packed_steps(prepared, accelerator, samples_per_step: int, token_budget: int) -> _PackedSteps:
+def packed_steps(prepared, accelerator, samples_per_step: int, token_budget: int):
     """TRL's prepared loader for `token_budget > 0`, rebuilt around `StepPacker` in place of TRL's
-    TokenBudgetBatcher, over the same rollout queue and with the same collator."""
-    if accelerator.num_processes != 1:
-        raise ValueError("trainer.token_budget > 0 packs for one trainer process; use 0 with several")
+    TokenBudgetBatcher, over the same rollout queue and with the same collator: rank 0 packs each step of
+    `samples_per_step` samples (all ranks' share), and every rank trains its rows of it (item 11)."""
+    from rl_cluster.trainer.compat import BatchesAsPulled
+
     base = prepared.base_dataloader
+    if not accelerator.is_main_process:  # only rank 0 has the rollout queue; the others are handed rows
+        return BatchesAsPulled((), accelerator)
     if not isinstance(base.dataset, TokenBudgetBatcher):
         raise RuntimeError(
             f"expected TRL's TokenBudgetBatcher under the train loader, found {base.dataset!r}"
         )
-    packer = StepPacker(base.dataset.dataset, samples_per_step, token_budget)
-    return _PackedSteps(packer, base.collate_fn, accelerator.device)
+    packer = StepPacker(base.dataset.dataset, samples_per_step, token_budget, accelerator.num_processes)
+    return BatchesAsPulled(_PackedSteps(packer, base.collate_fn), accelerator)
 
 
 def step_rows(inputs) -> list[dict[str, Any]] | None:
@@ -144,7 +189,8 @@ def step_rows(inputs) -> list[dict[str, Any]] | None:
 def train_rows(training_step, model, rows: list[dict[str, Any]], num_items_in_batch=None):
     """One step's rows, each one forward and backward through `training_step` (TRL's), their gradients
     accumulated into the step's one optimizer update; the summed loss."""
-    # One trainer process (packed_steps refuses more): no gradient reduction to hold back between rows.
+    # With several ranks each row's backward all-reduces (every rank runs as many rows): a rank-1 LoRA's
+    # gradients are a few kB, so holding the reduction back to the last row would save next to nothing.
     total = 0
     for batch in rows:
         total = total + training_step(model, batch, num_items_in_batch)

@@ -71,7 +71,7 @@ rl_cluster/trainer/batching.py; the rest are here.
    recipes' 16,384 tokens; 1,024 too on the tiny model, in lockstep as in async mode). The loader of
    `rl_cluster.trainer.batching` replaces it: a step is exactly `completions_per_step` samples, pulled
    without look-ahead and packed into rows of at most `token_budget` tokens, trained as gradient
-   accumulation within the one optimizer step.
+   accumulation within the one optimizer step (with N ranks, micro-batches of one row per rank).
 17. transformers' Trainer, resumed from a checkpoint at `max_steps`, trains one step more. With a loader
    of no length (AsyncGRPOTrainer's rollout queue) an "epoch" is `max_steps` updates, so the resume starts
    at epoch `global_step // max_steps` = 1, whose first update runs before the stop check: a run whose
@@ -217,7 +217,7 @@ def bound_score_queue(trainer, groups: int) -> None:
     trainer.rollout_worker._loop_kwargs["score_queue_maxsize"] = groups
 
 
-class _BatchesAsPulled:
+class BatchesAsPulled:
     """Each batch moved to the device as it is pulled, no look-ahead (item 11). With several ranks, rank 0
     pulls (the others' loaders are empty), broadcasts the batch of one row per rank, and each keeps its
     row; None tells every rank that the data ended."""
@@ -245,7 +245,7 @@ class _BatchesAsPulled:
 
 def without_lookahead(prepared, accelerator):
     """The trainer's DataLoader without accelerate's fetch-ahead (item 11)."""
-    return _BatchesAsPulled(prepared.base_dataloader, accelerator)
+    return BatchesAsPulled(prepared.base_dataloader, accelerator)
 
 
 @contextlib.contextmanager

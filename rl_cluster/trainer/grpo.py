@@ -111,7 +111,10 @@ class BucketSyncTrainer(AdapterSyncTrainer):
             # compat item 16: a step is completions_per_step samples, as admission counts them; the budget
             # bounds each packed row. Pulls no sample ahead either (item 11).
             return packed_steps(
-                prepared, self.accelerator, self.args.per_device_train_batch_size, self.args.token_budget
+                prepared,
+                self.accelerator,
+                self.args.per_device_train_batch_size * self.accelerator.num_processes,
+                self.args.token_budget,
             )
         return without_lookahead(prepared, self.accelerator)
 

@@ -65,3 +65,63 @@ def rank_pulls(rank: int, rendezvous: str, out) -> None:
     seen = [(batch["x"].tolist(), len(pulled)) for batch in compat.without_lookahead(prepared, accelerator)]
     out.put((rank, seen))
     torch.distributed.destroy_process_group()
+
+
+def rollout_samples(groups: int, group_size: int = 4, prompt: int = 10, completion: int = 6):
+    """Samples as TRL's RolloutQueueDataset yields them: a group's samples share their prompt. (Made where
+    they are used: a tensor handed to a spawned child travels as a file descriptor that the parent's
+    resource-sharer thread must serve, and a child that waits for one hangs before its target runs.)"""
+    import torch
+
+    for g in range(groups):
+        for s in range(group_size):
+            ids = [1000 + g] * prompt + [100 * (s + 1) + t for t in range(completion)]
+            yield {
+                "input_ids": torch.tensor(ids),
+                "completion_mask": torch.tensor([0] * prompt + [1] * completion),
+                "old_log_probs": torch.full((prompt + completion,), -1.0),
+                "advantage": float(s) - 1.5,
+                "group_id": g,
+                "metrics": {"reward": float(s)},
+            }
+
+
+def rank_trains_packed(rank: int, rendezvous: str, groups: int, step: int, budget: int, out) -> None:
+    """One of two accelerate ranks over gloo iterating `packed_steps` (rank 0 over TRL's token-budget
+    loader of `rollout_samples(groups)`, rank 1 over nothing, as TRL builds them), training each micro-batch with TRL's
+    normalisation on a one-weight DDP model whose loss is the sum of the row's trained tokens' advantages.
+    Reports per step the micro-batches it ran (its rows' group ids and trained-token counts) and, after
+    the last, the weight's accumulated gradient."""
+    import os
+    from types import SimpleNamespace
+
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+    from torch.utils.data import DataLoader
+    from trl.experimental.async_grpo import async_grpo_trainer
+
+    from rl_cluster.trainer import batching
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    torch.distributed.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
+    settings = DataLoaderConfiguration(dispatch_batches=True, split_batches=True)  # TRL's (AsyncGRPOConfig)
+    accelerator = Accelerator(cpu=True, dataloader_config=settings)
+    samples = list(rollout_samples(groups)) if rank == 0 else []
+    planner = async_grpo_trainer.TokenBudgetBatcher(samples, 2, budget, {})
+    collate = async_grpo_trainer.DataCollatorForRollout(pad_token_id=0, num_processes=2)
+    loader = SimpleNamespace(base_dataloader=DataLoader(planner, batch_size=1, collate_fn=collate))
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1, bias=False))
+    torch.nn.init.zeros_(model.module.weight)
+    steps = []
+    for item in batching.packed_steps(loader, accelerator, step, budget):
+        ran = []
+        for batch in batching.step_rows(item):
+            selected = batch["token_index"] >= 0
+            loss = model(batch["advantages"][selected][:, None]).sum()
+            loss = loss / (batch["global_n_tokens"][0] / 2)  # TRL's: over the tokens per rank, DDP averages
+            batching.over_step_tokens(loss, batch).backward()
+            ran.append((sorted(set(batch["segment_id"][selected].tolist())), int(selected.sum())))
+        steps.append(ran)
+    out.put((rank, steps, model.module.weight.grad.item()))
+    torch.distributed.destroy_process_group()

@@ -411,19 +411,7 @@ def test_a_daemon_child_outlives_a_killed_parent_unless_it_watches(watch):
             os.kill(child_pid, signal.SIGKILL)
 
 
-def _rollout_samples(groups: int, group_size: int = 4, prompt: int = 10, completion: int = 6):
-    """Samples as TRL's RolloutQueueDataset yields them: a group's samples share their prompt."""
-    for g in range(groups):
-        for s in range(group_size):
-            ids = [1000 + g] * prompt + [100 * (s + 1) + t for t in range(completion)]
-            yield {
-                "input_ids": torch.tensor(ids),
-                "completion_mask": torch.tensor([0] * prompt + [1] * completion),
-                "old_log_probs": torch.full((prompt + completion,), -1.0),
-                "advantage": float(s) - 1.5,
-                "group_id": g,
-                "metrics": {"reward": float(s)},
-            }
+_rollout_samples = spawn_targets.rollout_samples
 
 
 class _Pulls:
@@ -465,7 +453,7 @@ def test_step_packer_yields_each_step_exactly_within_the_budget():
     source = _Pulls(_rollout_samples(groups=3 * STEP // 4))
     steps = iter(batching.StepPacker(source, STEP, BUDGET))
     for k in range(1, 4):
-        rows = next(steps)
+        rows = [row for (row,) in next(steps)]  # one rank: micro-batches of one row
         assert source.pulled == k * STEP
         assert sum(len(row.samples) for row in rows) == STEP
         assert len(rows) == 2 and all(len(row.groups) == 1 for row in rows)
@@ -486,6 +474,49 @@ def test_packed_step_rows_go_through_trls_collator_with_the_steps_token_count():
     assert [float(b["global_n_tokens"][0]) for b in micro_batches] == [24.0, 24.0]
     assert [float(b[batching.STEP_TOKENS][0]) for b in micro_batches] == [48.0, 48.0]
     assert collate.groups_trained == {0, 1}
+
+
+def test_a_step_for_several_ranks_gives_each_rank_as_many_rows():
+    """With N ranks a step's rows are split until every rank has as many (each backward all-reduces), a
+    group's samples stay together where they can, and no sample is lost or doubled."""
+    samples = list(_rollout_samples(groups=3))  # 12 samples: 3 rows of one group each at BUDGET
+    batches = batching.micro_batches(batching.pack_rows(samples, BUDGET), 2)
+    assert len(batches) == 2 and all(len(rows) == 2 for rows in batches)
+    placed = [id(s) for rows in batches for row in rows for s in row.samples]
+    assert sorted(placed) == sorted(id(s) for s in samples)
+    assert sum(len(row.groups) for rows in batches for row in rows) == 4  # one group was cut in two
+    shares = [sum(rows[r].load for rows in batches) for r in (0, 1)]
+    assert max(shares) <= 1.5 * min(shares)  # balanced by attention cost
+    # One row of a whole step, 4 ranks: split down to a sample per rank.
+    (row,) = batching.pack_rows(samples[:4], 10_000)
+    assert [[len(r.samples) for r in rows] for rows in batching.micro_batches([row], 4)] == [[1, 1, 1, 1]]
+    with pytest.raises(ValueError, match="3 single-sample rows cannot be shared by 2 ranks"):
+        batching.micro_batches(batching.pack_rows(samples[:3], 16), 2)
+
+
+def test_two_ranks_train_a_packed_step_as_one_token_mean(tmp_path):
+    """Two ranks over gloo: rank 0 packs each step (the others get only their rows), both run as many
+    micro-batches, and DDP's averaged gradient is the step's token mean over all samples, as one rank's."""
+    samples = list(_rollout_samples(groups=3))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    rendezvous = f"file://{tmp_path / 'rendezvous'}"
+    args = (rendezvous, 3, 12, BUDGET, out)
+    ranks = [ctx.Process(target=spawn_targets.rank_trains_packed, args=(r, *args)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    try:
+        seen = {rank: (steps, grad) for rank, steps, grad in (out.get(timeout=120) for _ in ranks)}
+    finally:
+        for p in ranks:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    (steps0, grad0), (steps1, grad1) = seen[0], seen[1]
+    assert len(steps0) == len(steps1) == 1 and len(steps0[0]) == len(steps1[0]) == 2  # 4 rows, 2 each
+    assert sum(tokens for _, tokens in steps0[0] + steps1[0]) == 12 * 6  # every trained token, once
+    trained = sum(s["advantage"] * int(s["completion_mask"].sum()) for s in samples)
+    assert grad0 == grad1 == pytest.approx(trained / (12 * 6))
 
 
 class _TokenMeanTrainer:

@@ -94,8 +94,6 @@ def test_overrides_apply_with_the_fields_types_and_leave_the_rest_alone():
         (["trainer.num_workers=3", "trainer.completions_per_step=32"],
          r"completions_per_step=32 does not split evenly into trainer\.num_workers=3 ranks: make it a multiple of 3"),
         (["trainer.num_workers=2", "trainer.mode=sync"], r"trainer\.mode = 'sync' runs one trainer rank"),
-        (["trainer.num_workers=2", "trainer.token_budget=1024"],
-         r"trainer\.token_budget=1024 packs the steps of one trainer rank: use token_budget = 0"),
         (["proxy.imbalance_threshold=4", "trainer.num_generations=8"],
          r"proxy\.imbalance_threshold=4 is below trainer\.num_generations=8"),
         (["proxy.max_sequences_per_request=0"],
