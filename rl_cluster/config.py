@@ -21,6 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 TRAINER_CONTROL_TIMEOUT_S = 600.0
 # What an adapter load's deadline leaves the answer to reach the trainer.
 CONTROL_ANSWER_MARGIN_S = 30.0
+# What a trainer rank's peers allow rank 0 for one checkpoint's upload between two collectives (a rank-1
+# LoRA checkpoint is a few MB; this covers the bucket's bounded retries against a slow store).
+CHECKPOINT_UPLOAD_S = 300.0
 
 
 class Section(BaseModel):
@@ -170,6 +173,13 @@ class TrainerConfig(Section):
     """A rank whose process does not answer Ray Train's health check for this long (SIGSTOPped, a paused
     VM, its node cut off) counts as dead: the gang restarts, as after a killed rank. The health check is
     answered beside training, so a rank busy in a long step, an upload or an adapter load still answers."""
+    collective_timeout_s: int = Field(1800, ge=1)
+    """Seconds a trainer rank waits in one collective (the step's gradients, rank 0's hand-out of the next
+    step's samples, the stop) before it fails, and the gang restarts: what ends a gang whose rank 0 hangs
+    while its process still answers Ray Train's health check (a hung mount, a stuck upload). Rank 0's I/O
+    between two collectives (an adapter load, a checkpoint upload, the next step's samples while no
+    replica serves) must fit: at least the trainer's 600 s load timeout + proxy.unavailable_timeout_s +
+    300 s for an upload. An eval or a served-vs-trained check longer than this ends the attempt too."""
     seed: int = 0
     """Seed for LoRA init, data order and sampling."""
     gradient_checkpointing: bool = False
@@ -520,6 +530,16 @@ class RunConfig(Section):
                 f"trainer.token_budget={t.token_budget} is below model.max_model_len={self.model.max_model_len}: "
                 "a packed row could not hold the longest sample, and TRL drops such samples; raise token_budget "
                 "to at least max_model_len (or 0 for no packing)"
+            )
+        # Rank 0's longest I/O between two collectives: one load answered at the client's bound, an upload,
+        # then the next step's samples held while no replica serves.
+        rank0_io = TRAINER_CONTROL_TIMEOUT_S + self.proxy.unavailable_timeout_s + CHECKPOINT_UPLOAD_S
+        if t.collective_timeout_s < rank0_io:
+            raise ValueError(
+                f"trainer.collective_timeout_s={t.collective_timeout_s} is shorter than rank 0's I/O between "
+                f"two collectives ({TRAINER_CONTROL_TIMEOUT_S:g} s for an adapter load + proxy.unavailable_timeout_s="
+                f"{self.proxy.unavailable_timeout_s:g} + {CHECKPOINT_UPLOAD_S:g} s for an upload = {rank0_io:g} s): "
+                "a healthy gang would time out; raise it"
             )
         if not all(c.isalnum() or c in "-_." for c in self.run_name):
             raise ValueError(f"run_name={self.run_name!r} may contain only letters, digits, '-', '_' and '.'")

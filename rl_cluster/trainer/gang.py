@@ -26,6 +26,15 @@ TRAIN_ENVIRONMENT = {
 }
 
 
+def torch_config(config: RunConfig):
+    """The ranks' process group: NCCL on GPUs, gloo on CPU, each collective bounded by
+    trainer.collective_timeout_s (Ray sets TORCH_NCCL_ASYNC_ERROR_HANDLING, so NCCL's bound fails too)."""
+    from ray.train.torch import TorchConfig
+
+    t = config.trainer
+    return TorchConfig(backend="nccl" if t.num_gpus else "gloo", timeout_s=t.collective_timeout_s)
+
+
 def fit_ranks(config: RunConfig, proxy_url: str, coordinator) -> None:
     """Run rl_cluster.trainer.rank.rank_main on each rank until every rank returned. Raises Ray Train's
     error when the gang failed more often than trainer.max_restarts allows."""
@@ -34,7 +43,7 @@ def fit_ranks(config: RunConfig, proxy_url: str, coordinator) -> None:
     os.environ["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = str(config.trainer.unresponsive_timeout_s)
     import ray
     import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
     from rl_cluster.trainer.rank import rank_main
 
@@ -43,7 +52,7 @@ def fit_ranks(config: RunConfig, proxy_url: str, coordinator) -> None:
     trainer = TorchTrainer(
         rank_main,
         train_loop_config={"config": config, "proxy_url": proxy_url, "coordinator": coordinator},
-        torch_config=TorchConfig(backend="nccl" if t.num_gpus else "gloo"),
+        torch_config=torch_config(config),
         scaling_config=ray.train.ScalingConfig(
             num_workers=t.num_workers,
             use_gpu=t.num_gpus > 0,

@@ -94,6 +94,9 @@ def test_overrides_apply_with_the_fields_types_and_leave_the_rest_alone():
         (["trainer.num_workers=3", "trainer.completions_per_step=32"],
          r"completions_per_step=32 does not split evenly into trainer\.num_workers=3 ranks: make it a multiple of 3"),
         (["trainer.num_workers=2", "trainer.mode=sync"], r"trainer\.mode = 'sync' runs one trainer rank"),
+        (["trainer.collective_timeout_s=1000"],
+         r"trainer\.collective_timeout_s=1000 is shorter than rank 0's I/O between two collectives \(600 s for an "
+         r"adapter load \+ proxy\.unavailable_timeout_s=300 \+ 300 s for an upload = 1200 s\)"),
         (["proxy.imbalance_threshold=4", "trainer.num_generations=8"],
          r"proxy\.imbalance_threshold=4 is below trainer\.num_generations=8"),
         (["proxy.max_sequences_per_request=0"],
@@ -108,6 +111,15 @@ def test_overrides_apply_with_the_fields_types_and_leave_the_rest_alone():
 def test_bad_values_and_combinations_are_rejected_naming_the_field(overrides, message):
     with pytest.raises(ValidationError, match=message):
         load_config(None, ["run_name=t", *overrides])
+
+
+def test_the_ranks_collectives_are_bounded_by_collective_timeout_s():
+    """Ray Train gives the ranks' process group the configured bound (gloo on CPU, NCCL on GPUs)."""
+    from rl_cluster.trainer.gang import torch_config
+
+    cpu = torch_config(load_config(None, ["run_name=t", "trainer.collective_timeout_s=1300"]))
+    gpu = torch_config(load_config(None, ["run_name=t", "trainer.num_gpus=1"]))
+    assert (cpu.backend, cpu.timeout_s, gpu.backend, gpu.timeout_s) == ("gloo", 1300, "nccl", 1800)
 
 
 @pytest.mark.parametrize(
