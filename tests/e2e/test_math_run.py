@@ -215,10 +215,13 @@ def test_eval_pass_at_1_rises_on_the_tiny_math_task(tiny_math_model_dir, tmp_pat
 # batcher 1,024 tokens held about 83 of the tiny model's samples (they share the chat template; ~12 new
 # tokens each), five steps' worth, and the trainer waited for samples admission never allowed; each step
 # now trains its 16 (compat item 16): in one row under 1,024 tokens, in several under 256.
+# The recipes train on 2 ranks: the Qwen one does here too (its one row split into a row per rank), the
+# other on one rank, so that both ways of packing a step run end to end.
 BUDGETS = {"qwen25_math_1p5b": 1024, "deepseek_r1_distill_qwen_1p5b": 256}
+RANKS = {"qwen25_math_1p5b": 2, "deepseek_r1_distill_qwen_1p5b": 1}
 CPU_SIZED = [
     "model.max_model_len=256", "trainer.max_new_tokens=24",
-    "trainer.completions_per_step=16", "trainer.num_cpus=1", "trainer.num_gpus=0", "generator.replicas=1",
+    "trainer.completions_per_step=16", "trainer.num_cpus=0.5", "trainer.num_gpus=0", "generator.replicas=1",
     "generator.num_gpus=0", "generator.pin_cpu_cores=true", "generator.kv_cache_gb=1", "eval.max_problems=8",
     "eval.every_steps=2", "trainer.max_steps=2", "trainer.sync_every=2", "cluster.address=local",
 ]  # fmt: skip
@@ -237,6 +240,7 @@ def test_each_reference_recipe_runs_two_steps_on_the_tiny_model(recipe, tiny_mat
         f"bucket.uri={tmp_path / 'bucket'}",
         *CPU_SIZED,  # the prepared data's key follows the prompt limit, so prepare sees them too
         f"trainer.token_budget={BUDGETS[recipe]}",
+        f"trainer.num_workers={RANKS[recipe]}",
     ]
     prepare = subprocess.run([sys.executable, "-m", "rl_cluster.data", "prepare", "--config", config, *overrides],
                              cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -256,6 +260,7 @@ def test_each_reference_recipe_runs_two_steps_on_the_tiny_model(recipe, tiny_mat
     if BUDGETS[recipe] == 256:  # two groups of 8 never fit one 256-token row: the step accumulates rows
         assert all(r["microbatches"] >= 2 for r in steps), steps
     assert summary["groups"]["trained"] == 2 * 2 and summary["groups"]["failed"] == 0, summary["groups"]
+    assert len(summary["trainer_ranks"]) == RANKS[recipe], summary["trainer_ranks"]
     assert [e["step"] for e in summary["eval"]["steps"]] == [0, 2]
     assert summary["eval"]["last"]["problems"] == 8 and summary["eval"]["last"]["failed"] == 0
     # In the recipe's own bf16: two steps at the recipe's learning rate move the adapter less than bf16

@@ -42,6 +42,11 @@ IMAGE = "ghcr.io/rl-cluster/rl-cluster:0.1.0"
 GROUPS = {"trainer": ("trainer", 1, 1), "generator": ("generator", 1, 8)}
 
 
+def _one_per_gpu(resources: dict, resource: str) -> bool:
+    """A node carries 1 to (its GPUs) of the group's resource: each unit is a rank or a replica of one GPU."""
+    return 1 <= resources.get(resource, 0) <= max(1, resources.get("GPU", 0))
+
+
 def load(path: Path):
     return yaml.safe_load(path.read_text())
 
@@ -68,8 +73,8 @@ def check_launcher_config(config: dict) -> dict:
         if name not in types:
             raise ValueError(f"no node type {name!r}")
         node = types[name]
-        if node["resources"].get(resource) != 1:
-            raise ValueError(f"node type {name!r} lacks the custom resource {resource}: 1")
+        if not _one_per_gpu(node["resources"], resource):
+            raise ValueError(f"node type {name!r} lacks the custom resource {resource} (1 up to its GPUs)")
         if node["resources"].get("GPU", 0) < 1:
             raise ValueError(f"node type {name!r} has no GPU")
         if (node["min_workers"], node["max_workers"]) != (lo, hi):
@@ -289,8 +294,8 @@ def check_kuberay_spec(spec: dict) -> dict:
             raise ValueError(f"group {name!r}: min/max {as_written}, expected {(lo, hi)}")
         if not lo <= group.get("replicas", lo) <= hi:
             raise ValueError(f"group {name!r}: replicas outside min/max")
-        if node["resources"].get(resource) != 1:
-            raise ValueError(f"group {name!r} lacks the custom resource {resource}: 1")
+        if not _one_per_gpu(node["resources"], resource):
+            raise ValueError(f"group {name!r} lacks the custom resource {resource} (1 up to its GPUs)")
         if node["resources"].get("GPU", 0) < 1:
             raise ValueError(f"group {name!r} has no GPU")
         for other in GROUPS.values():
@@ -313,7 +318,7 @@ def test_kuberay_spec_translates_to_our_groups(manifest):
     assert set(types) == {"headgroup", "trainer", "generator"}
     assert (types["trainer"]["min_workers"], types["trainer"]["max_workers"]) == (1, 1)
     assert (types["generator"]["min_workers"], types["generator"]["max_workers"]) == (1, 8)
-    assert types["trainer"]["resources"]["trainer"] == 1
+    assert types["trainer"]["resources"]["trainer"] == types["trainer"]["resources"]["GPU"] == 8  # 8 ranks
     assert types["generator"]["resources"]["generator"] == 1
     assert derived["max_workers"] == 9
 
@@ -555,13 +560,14 @@ def test_each_gpu_recipe_fits_the_shape_it_states_on_every_cluster_file(recipe):
 
     config, shape = load_config(recipe), stated_shape(recipe)
     t, g = config.trainer, config.generator
-    assert (t.num_gpus, g.num_gpus) == (shape["trainer_gpus"], shape["generator_gpus"]), "GPUs as stated"
+    assert g.num_gpus == shape["generator_gpus"], "GPUs as stated"
+    assert t.num_workers * t.num_gpus <= shape["trainer_gpus"], "the trainer's ranks fit the stated node"
     for name, (types, started) in cluster_node_types().items():
         trainer, generator = types["trainer"]["resources"], types["generator"]["resources"]
         assert trainer["GPU"] == shape["trainer_gpus"] and generator["GPU"] == shape["generator_gpus"], name
         per_node = generator["generator"]  # replicas one generator node holds
         assert g.replica_bounds[1] == shape["generators"] * per_node, f"{name}: replicas vs stated nodes"
-        assert g.num_gpus * per_node <= generator["GPU"] and t.num_cpus <= trainer["CPU"], name
+        assert g.num_gpus * per_node <= generator["GPU"] and t.num_workers * t.num_cpus <= trainer["CPU"], name
         for group, count in (("trainer", shape["trainers"]), ("generator", shape["generators"])):
             assert types[group]["min_workers"] <= count <= types[group]["max_workers"], (name, group)
         if name != "cluster.yaml":  # KubeRay starts the groups at `replicas`: the stated shape at once
