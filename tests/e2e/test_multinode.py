@@ -41,6 +41,7 @@ NODES = {"head": {}, "trainer": {"trainer": 2}, "gen0": {"generator": 1}, "gen1"
          "spare": {"generator": 1}, "spare2": {"generator": 1}, "trainer2": {"trainer": 2}}  # fmt: skip
 SPARE = ("spare", "spare2", "trainer2")  # they join mid-run, in the chaos run
 HUB_ID = "local/tiny-qwen2"
+UNRESPONSIVE_S = 20  # trainer.unresponsive_timeout_s of the resume run, whose rank 0 is SIGSTOPped
 # In the head's environment only, as a pod spec's secret would put them: the driver inherits them and hands
 # them to the actors; no Ray view of the job may show them.
 HEAD_SECRETS = {"HF_TOKEN": "hf_fake" + uuid.uuid4().hex, "WANDB_API_KEY": "fakewandb" + uuid.uuid4().hex}
@@ -586,16 +587,19 @@ def adapter_tensors(path: Path) -> dict:
 
 def test_a_killed_trainer_a_stopped_job_and_a_killed_driver_resume(cluster, hub_env, tmp_path):
     """Two trainer ranks (DDP over gloo) on one trainer node. (a) SIGKILL rank 1 (a Ray Train worker): Ray
-    Train restarts the whole gang, which resumes from the newest checkpoint, every rank from the same step;
-    then `ray job stop` ends the run with its summary written and nothing left running. (b) SIGKILL the
+    Train restarts the whole gang, which resumes from the newest checkpoint, every rank from the same step.
+    Then SIGSTOP the new rank 0 (a paused VM): nothing dies and rank 1 waits for it in a collective; Ray
+    Train's health check counts it dead after trainer.unresponsive_timeout_s, and the gang restarts and
+    resumes again, leaving neither the stopped process nor its rollout child behind. Then `ray job stop`
+    ends the run with its summary written and nothing left running. (b) SIGKILL the
     driver of the run continued with --resume: the job dies, and (c) --resume once more takes it to its
     max_steps. Versions are never renumbered; the resumed policy is the checkpoint's (its first published
     adapter holds the checkpoint's weights, bit for bit)."""
     bucket, run = tmp_path / "bucket", "mn-resume"
     keep = [f"bucket.uri={bucket}", f"model.path={HUB_ID}", "trainer.checkpoint_every=4",
             "trainer.keep_checkpoints=20", "bucket.keep_every=1", "trainer.num_workers=2",
-            "trainer.num_cpus=0.5"]  # fmt: skip
-    submit(cluster, "rlc-res-a", hub_env, [f"run_name={run}", "trainer.max_steps=24", *keep])
+            "trainer.num_cpus=0.5", "trainer.max_restarts=2", f"trainer.unresponsive_timeout_s={UNRESPONSIVE_S}"]  # fmt: skip
+    submit(cluster, "rlc-res-a", hub_env, [f"run_name={run}", "trainer.max_steps=40", *keep])
     # Killed as soon as checkpoint 8 is committed (its manifest): polling the job's log took seconds a
     # round, and a fast trainer had finished all 16 steps before the kill landed (then its restart
     # resumes at max_steps and trains nothing, which is right, but not this test).
@@ -614,28 +618,50 @@ def test_a_killed_trainer_a_stopped_job_and_a_killed_driver_resume(cluster, hub_
     resumed = wait_for_log(cluster, "rlc-res-a", r"trainer restarted by Ray: resuming from checkpoint step (\d+); "
                                                  r"versions continue after v(\d+)", 600)  # fmt: skip
     ckpt, highest = int(resumed.group(1)), int(resumed.group(2))
-    # Stopped once the restarted trainer committed a checkpoint of its own.
+    # The restarted gang's rank 0 SIGSTOPped once it committed a checkpoint of its own.
     wait_for_file(bucket / run / "checkpoints" / f"step-{ckpt + 4}" / "manifest.json", 600)
+    seen = len(job_logs(cluster, "rlc-res-a"))
+    ranks = dict(re.findall(r"trainer rank (\d)/2 on \S+ \(pid (\d+)\)", job_logs(cluster, "rlc-res-a")))
+    stopped, peer = int(ranks["0"]), int(ranks["1"])  # the newest line of each rank: the restarted gang's
+    (node,) = (n for n in sorted(cluster.up) if pids_running(cluster, n, b"ray::RayTrainWorker"))
+    assert sorted(pids_running(cluster, node, b"ray::RayTrainWorker")) == sorted([stopped, peer]), ranks
+    stopped_children = [p for p in cluster.pids()[node] if parent_pid(p) == stopped]
+    assert stopped_children  # its rollout worker
+    os.kill(stopped, signal.SIGSTOP)  # the namespaces share the host's pids
+    try:
+        again = wait_for_log(cluster, "rlc-res-a", r"trainer restarted by Ray: resuming from checkpoint step "
+                             r"(\d+); versions continue after v(\d+)", UNRESPONSIVE_S + 600, after=seen)  # fmt: skip
+    finally:
+        if alive(stopped):
+            os.kill(stopped, signal.SIGCONT)  # never leave a stopped process of ours behind
+    # Ended by the bound, not by anything dying: Train's health check names the hang.
+    assert "A worker health check has been hanging" in job_logs(cluster, "rlc-res-a")[seen:]
+    ckpt2, highest2 = int(again.group(1)), int(again.group(2))
+    # Stopped once the twice restarted trainer committed a checkpoint of its own.
+    wait_for_file(bucket / run / "checkpoints" / f"step-{ckpt2 + 4}" / "manifest.json", 600)
     cluster.run("head", ["ray", "job", "stop", "--address", cluster.dashboard, "rlc-res-a"], timeout=120)
     assert wait_terminal(cluster, "rlc-res-a", 120) == "STOPPED"
     summary = json.loads((bucket / run / "summary.json").read_text())
     assert ckpt >= 8 and highest > ckpt  # versions were published after the checkpoint
+    assert ckpt2 >= ckpt + 4 and highest2 > max(ckpt2, highest)
     assert (summary["status"], summary["trainer_restarts"], summary["resumed_from_step"]) == (
         "stopped",
-        1,
-        ckpt,
+        2,
+        ckpt2,
     )
-    assert ckpt + 4 <= summary["steps"] < 24 and summary["groups"]["failed"] == 0, summary
-    # The restarted gang's two ranks (new processes), on the trainer's node.
+    assert ckpt2 + 4 <= summary["steps"] < 40 and summary["groups"]["failed"] == 0, summary
+    # The twice restarted gang's two ranks (new processes), on the trainer's node.
     placed = summary["trainer_ranks"]
     assert [r["address"] for r in placed] == [cluster.addresses[node]] * 2, placed
-    assert not {r["pid"] for r in placed} & {rank0, rank1}, placed
+    assert not {r["pid"] for r in placed} & {rank0, rank1, stopped, peer}, placed
     numbers = [int(name.rsplit("-v", 1)[1]) for name in summary["versions_published"]]
-    # The record up to the checkpoint, then versions after the highest ever published (the ones published
-    # between the checkpoint and the kill belong to training that was thrown away).
+    # The record up to each checkpoint, then the restarted gang's versions after the highest ever published:
+    # the first its republication of the checkpoint's adapter, then one per step (the ones published between
+    # a checkpoint and the fault belong to training that was thrown away).
     assert numbers[: ckpt + 1] == list(range(1, ckpt + 2)), numbers
-    assert numbers[ckpt + 1 :] == list(range(highest + 1, highest + 1 + len(numbers) - ckpt - 1)), numbers
-    assert len(numbers) - ckpt - 1 >= 4, numbers
+    assert numbers[ckpt + 1 : ckpt2 + 2] == list(range(highest + 1, highest + 2 + ckpt2 - ckpt)), numbers
+    assert numbers[ckpt2 + 2 :] == list(range(highest2 + 1, highest2 + 1 + len(numbers) - ckpt2 - 2)), numbers
+    assert len(numbers) - ckpt2 - 2 >= 4, numbers
     # The summary table (the stopped driver had no time to print it; `rl-cluster summary` does).
     table = subprocess.run([sys.executable, "-m", "rl_cluster.cli", "summary", run, "--bucket", str(bucket)],
                            capture_output=True, text=True, cwd=REPO, timeout=120)  # fmt: skip
@@ -645,14 +671,17 @@ def test_a_killed_trainer_a_stopped_job_and_a_killed_driver_resume(cluster, hub_
     while cluster.vllm_pids() and time.monotonic() < deadline:
         time.sleep(1)
     assert not cluster.vllm_pids(), "a vLLM server outlived `ray job stop`"
-    first_after = f"{run}-v{highest + 1}"
-    # The restarted trainer starts from the checkpoint's policy, not from the base model.
-    restored = adapter_tensors(bucket / run / "adapters" / first_after)
-    saved = adapter_tensors(bucket / run / "checkpoints" / f"step-{ckpt}")
-    assert restored.keys() == saved.keys()
-    assert all((restored[name] == saved[name]).all() for name in saved)
-    # No orphan: rank 0, ended with its gang, took its rollout child with it.
-    assert not [p for p in rollout_children if alive(p)], rollout_children
+    # Each restarted trainer starts from its checkpoint's policy, not from the base model.
+    for step, first_after in ((ckpt, highest + 1), (ckpt2, highest2 + 1)):
+        restored = adapter_tensors(bucket / run / "adapters" / f"{run}-v{first_after}")
+        saved = adapter_tensors(bucket / run / "checkpoints" / f"step-{step}")
+        assert restored.keys() == saved.keys()
+        assert all((restored[name] == saved[name]).all() for name in saved)
+    # No orphan: each rank 0, ended with its gang, took its rollout child with it; the stopped one too.
+    assert not alive(stopped), "the hung rank outlived its gang"
+    assert not [p for p in rollout_children + stopped_children if alive(p)], (
+        rollout_children + stopped_children
+    )
 
     # (b) continue the stopped run for two more checkpoints; kill that job's driver at the first.
     later = (summary["steps"] // 4 + 1) * 4  # a checkpoint job (b) makes

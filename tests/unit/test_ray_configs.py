@@ -567,7 +567,9 @@ def test_each_gpu_recipe_fits_the_shape_it_states_on_every_cluster_file(recipe):
         assert trainer["GPU"] == shape["trainer_gpus"] and generator["GPU"] == shape["generator_gpus"], name
         per_node = generator["generator"]  # replicas one generator node holds
         assert g.replica_bounds[1] == shape["generators"] * per_node, f"{name}: replicas vs stated nodes"
-        assert g.num_gpus * per_node <= generator["GPU"] and t.num_workers * t.num_cpus <= trainer["CPU"], name
+        assert g.num_gpus * per_node <= generator["GPU"] and t.num_workers * t.num_cpus <= trainer["CPU"], (
+            name
+        )
         for group, count in (("trainer", shape["trainers"]), ("generator", shape["generators"])):
             assert types[group]["min_workers"] <= count <= types[group]["max_workers"], (name, group)
         if name != "cluster.yaml":  # KubeRay starts the groups at `replicas`: the stated shape at once
