@@ -170,9 +170,9 @@ def packed_steps(prepared, accelerator, samples_per_step: int, token_budget: int
     `samples_per_step` samples (all ranks' share), and every rank trains its rows of it (item 11)."""
     from rl_cluster.trainer.compat import BatchesAsPulled
 
-    base = prepared.base_dataloader
     if not accelerator.is_main_process:  # only rank 0 has the rollout queue; the others are handed rows
         return BatchesAsPulled((), accelerator)
+    base = prepared.base_dataloader
     if not isinstance(base.dataset, TokenBudgetBatcher):
         raise RuntimeError(
             f"expected TRL's TokenBudgetBatcher under the train loader, found {base.dataset!r}"

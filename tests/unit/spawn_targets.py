@@ -64,13 +64,13 @@ def rank_pulls(rank: int, rendezvous: str, out) -> None:
     prepared = accelerator.prepare(DataLoader(Batches(), batch_size=1, collate_fn=lambda items: items[0]))
     seen = [(batch["x"].tolist(), len(pulled)) for batch in compat.without_lookahead(prepared, accelerator)]
     out.put((rank, seen))
+    out.close()
+    out.join_thread()  # sent before teardown (see rank_trains_packed)
     torch.distributed.destroy_process_group()
 
 
 def rollout_samples(groups: int, group_size: int = 4, prompt: int = 10, completion: int = 6):
-    """Samples as TRL's RolloutQueueDataset yields them: a group's samples share their prompt. (Made where
-    they are used: a tensor handed to a spawned child travels as a file descriptor that the parent's
-    resource-sharer thread must serve, and a child that waits for one hangs before its target runs.)"""
+    """Samples as TRL's RolloutQueueDataset yields them: a group's samples share their prompt."""
     import torch
 
     for g in range(groups):
@@ -89,7 +89,8 @@ def rollout_samples(groups: int, group_size: int = 4, prompt: int = 10, completi
 def rank_trains_packed(rank: int, rendezvous: str, groups: int, step: int, budget: int, out) -> None:
     """One of two accelerate ranks over gloo iterating `packed_steps` (rank 0 over TRL's token-budget
     loader of `rollout_samples(groups)`, rank 1 over nothing, as TRL builds them), training each micro-batch with TRL's
-    normalisation on a one-weight DDP model whose loss is the sum of the row's trained tokens' advantages.
+    normalisation on a one-weight DDP model whose loss sums the row's trained tokens' advantages + 2 (a
+    group's advantages sum to 0: without the shift any normalisation would give a gradient of 0).
     Reports per step the micro-batches it ran (its rows' group ids and trained-token counts) and, after
     the last, the weight's accumulated gradient."""
     import os
@@ -118,10 +119,15 @@ def rank_trains_packed(rank: int, rendezvous: str, groups: int, step: int, budge
         ran = []
         for batch in batching.step_rows(item):
             selected = batch["token_index"] >= 0
-            loss = model(batch["advantages"][selected][:, None]).sum()
+            loss = model(batch["advantages"][selected][:, None] + 2).sum()
             loss = loss / (batch["global_n_tokens"][0] / 2)  # TRL's: over the tokens per rank, DDP averages
             batching.over_step_tokens(loss, batch).backward()
             ran.append((sorted(set(batch["segment_id"][selected].tolist())), int(selected.sum())))
         steps.append(ran)
     out.put((rank, steps, model.module.weight.grad.item()))
+    # Sent before any teardown: 1 run in about 10, rank 0 stopped for good as this function returned, its
+    # queue's feeder thread blocked before it had written the result (faulthandler's dump; a teardown that
+    # holds the GIL, I think), and the parent waited in vain. The parent kills a child that does not end.
+    out.close()
+    out.join_thread()
     torch.distributed.destroy_process_group()

@@ -497,11 +497,12 @@ def test_a_step_for_several_ranks_gives_each_rank_as_many_rows():
 def test_two_ranks_train_a_packed_step_as_one_token_mean(tmp_path):
     """Two ranks over gloo: rank 0 packs each step (the others get only their rows), both run as many
     micro-batches, and DDP's averaged gradient is the step's token mean over all samples, as one rank's."""
-    samples = list(_rollout_samples(groups=3))
+    groups = 3  # 12 samples: the step
+    samples = list(_rollout_samples(groups))  # the same ones rank 0 makes
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     rendezvous = f"file://{tmp_path / 'rendezvous'}"
-    args = (rendezvous, 3, 12, BUDGET, out)
+    args = (rendezvous, groups, len(samples), BUDGET, out)
     ranks = [ctx.Process(target=spawn_targets.rank_trains_packed, args=(r, *args)) for r in (0, 1)]
     for p in ranks:
         p.start()
@@ -514,9 +515,12 @@ def test_two_ranks_train_a_packed_step_as_one_token_mean(tmp_path):
                 p.kill()
     (steps0, grad0), (steps1, grad1) = seen[0], seen[1]
     assert len(steps0) == len(steps1) == 1 and len(steps0[0]) == len(steps1[0]) == 2  # 4 rows, 2 each
-    assert sum(tokens for _, tokens in steps0[0] + steps1[0]) == 12 * 6  # every trained token, once
-    trained = sum(s["advantage"] * int(s["completion_mask"].sum()) for s in samples)
-    assert grad0 == grad1 == pytest.approx(trained / (12 * 6))
+    tokens = sum(int(s["completion_mask"].sum()) for s in samples)
+    assert sum(n for _, n in steps0[0] + steps1[0]) == tokens  # every trained token, once
+    trained = sum(
+        (s["advantage"] + 2) * int(s["completion_mask"].sum()) for s in samples
+    )  # as the ranks' loss
+    assert grad0 == grad1 == pytest.approx(trained / tokens)
 
 
 class _TokenMeanTrainer:
