@@ -29,6 +29,7 @@ from bench import (
     routing,
     routing_at_scale,
     scaling,
+    trainer_ranks,
     training,
 )
 from bench.common import REPO, machine, vllm_servers, warm_up
@@ -58,6 +59,8 @@ class Plan:
     pool_step_delays: tuple[float, ...]  # node-start delays the demand step is simulated with
     correction_steps: int  # steps of each bf16 run of the correction comparison
     correction_seeds: int  # seeds per method; 0 leaves the comparison out
+    ranks_reps: int  # repetitions of the trainer-ranks comparison
+    ranks_big_model: bool  # its random model ~1 GB (else ~2 MB)
 
 
 FULL = Plan(
@@ -66,7 +69,7 @@ FULL = Plan(
     capacity_upstreams=8, capacity_connections=64, capacity_seconds=5.0, capacity_many_upstreams=256,
     broadcast_sizes=(1, 8, 32, 128, 256), broadcast_versions=10,
     scale_routing_replicas=64, scale_routing_groups=192, scale_routing_groups_in_flight=16,
-    pool_step_delays=(30, 120, 300), correction_steps=40, correction_seeds=3,
+    pool_step_delays=(30, 120, 300), correction_steps=40, correction_seeds=3, ranks_reps=2, ranks_big_model=True,
 )  # fmt: skip
 QUICK = Plan(
     reps=1, routing_groups=4, groups_in_flight=2, max_tokens=16, overhead_requests=24, overhead_concurrency=4,
@@ -74,7 +77,7 @@ QUICK = Plan(
     capacity_upstreams=4, capacity_connections=16, capacity_seconds=1.5, capacity_many_upstreams=64,
     broadcast_sizes=(1, 8, 32), broadcast_versions=3,
     scale_routing_replicas=8, scale_routing_groups=12, scale_routing_groups_in_flight=4,
-    pool_step_delays=(30, 120), correction_steps=6, correction_seeds=0,
+    pool_step_delays=(30, 120), correction_steps=6, correction_seeds=0, ranks_reps=1, ranks_big_model=False,
 )  # fmt: skip
 BENCHMARKS = {  # run in this order, on the same two replicas
     "routing": routing.run,
@@ -87,6 +90,7 @@ BENCHMARKS = {  # run in this order, on the same two replicas
     "routing_at_scale": routing_at_scale.run,  # a fleet of stubs with a prefix-cache model
     "pool_step": pool_step.run,  # the real scaling policy, in simulated time
     "correction": correction.run,  # bf16 replicas of its own; nine training runs (not in quick mode)
+    "trainer_ranks": trainer_ranks.run,  # spawned trainer ranks, no Ray: 1 vs 2, DDP vs FSDP2
 }
 
 # A benchmark that measures several of the report's sections returns them by name.

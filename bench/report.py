@@ -367,6 +367,7 @@ def failure_section(title: str, error: str) -> str:
 
 def write(out: Path, plots_dir: Path, results: dict, info: dict, command: str, quick: bool) -> None:
     """Write the markdown (and the plots beside it, linked relatively)."""
+    from bench import trainer_ranks
     from bench.plots import draw_all
     from bench.report_scale import (
         broadcast_section,
@@ -388,6 +389,7 @@ def write(out: Path, plots_dir: Path, results: dict, info: dict, command: str, q
         "routing_at_scale": (routing_at_scale_section, "9. Routing at scale"),
         "pool_step": (pool_step_section, "10. The pool under a demand step"),
         "correction": (correction_section, "11. Off-policy correction in bf16"),
+        "trainer_ranks": (trainer_ranks.section, "12. Trainer ranks"),
     }
     parts = [
         "# Benchmarks",

@@ -194,6 +194,12 @@ class TrainerConfig(Section):
     `trainer` resource (each rank takes one) and restarted together by Ray Train. Each trains
     completions_per_step / num_workers samples of every step; rank 0 alone publishes, loads, checkpoints,
     evaluates and reports."""
+    strategy: Literal["ddp", "fsdp2"] = "ddp"
+    """How the ranks hold the model. `ddp`: each rank holds all of it, gradients are all-reduced: the
+    fastest while the model, its activations and (with LoRA, small) optimizer state fit one device.
+    `fsdp2`: torch's fully_shard, each rank holds 1/num_workers of every weight and gathers a decoder
+    layer's weights as its forward and backward need them: for a model that does not fit one device,
+    at the cost of those gathers. Checkpoints are full-state (flat) either way."""
     num_cpus: float = Field(1.0, ge=0)
     """CPUs each trainer rank reserves (Ray sets OMP_NUM_THREADS from it); the trainer actor that
     coordinates the ranks, on the driver's node, reserves none."""
@@ -203,6 +209,11 @@ class TrainerConfig(Section):
     @model_validator(mode="after")
     def _ranks(self) -> TrainerConfig:
         if self.num_workers == 1:
+            if self.strategy == "fsdp2":
+                raise ValueError(
+                    'trainer.strategy = "fsdp2" shards the model over trainer.num_workers ranks, and there is '
+                    'one: set num_workers = 2 or more, or strategy = "ddp"'
+                )
             return self
         if self.completions_per_step % self.num_workers:
             raise ValueError(

@@ -59,7 +59,19 @@ def grpo_args(config: RunConfig, proxy_url: str, admission: AdmissionWindow):
         ddp_find_unused_parameters=False,
         disable_tqdm=True,
         **training_precision_kwargs(),
+        **sharding_kwargs(t.strategy),
     )
+
+
+def sharding_kwargs(strategy: str) -> dict:
+    """FSDP2 over the ranks for `fsdp2` (each decoder layer a unit, by the model's `_no_split_modules`),
+    full-state checkpoints (one flat directory, as the bucket keeps them); nothing for DDP."""
+    if strategy != "fsdp2":
+        return {}
+    return {
+        "fsdp": "full_shard",
+        "fsdp_config": {"version": 2, "state_dict_type": "FULL_STATE_DICT", "reshard_after_forward": True},
+    }
 
 
 def build_trainer(
@@ -82,7 +94,7 @@ def build_trainer(
     a step once `stopping` is set; each write into the bucket passes `fence` first."""
     from peft import LoraConfig
 
-    from rl_cluster.trainer.callbacks import CheckpointPublisher, StepReporter, StopWhenAsked
+    from rl_cluster.trainer.callbacks import CheckpointPublisher, ShareReport, StepReporter, StopWhenAsked
     from rl_cluster.trainer.compat import quiet_default_printer
     from rl_cluster.trainer.correction import OffPolicyCorrection
     from rl_cluster.trainer.grpo import BucketSyncTrainer
@@ -102,7 +114,7 @@ def build_trainer(
         args=grpo_args(c, proxy.url, admission),
         train_dataset=dataset,
         peft_config=lora,
-        callbacks=[StepReporter(on_step), CheckpointPublisher(on_checkpoint)],
+        callbacks=[StepReporter(on_step), CheckpointPublisher(on_checkpoint), ShareReport(c.trainer)],
         run_name=c.run_name,
         bucket=bucket,
         proxy=proxy,

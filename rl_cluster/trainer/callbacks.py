@@ -1,4 +1,5 @@
-"""The trainer's callbacks into the run: progress per step, a stop asked for, checkpoints to publish."""
+"""The trainer's callbacks into the run: progress per step, a stop asked for, checkpoints to publish, how
+the ranks hold the model."""
 
 from __future__ import annotations
 
@@ -62,3 +63,32 @@ class CheckpointPublisher(TrainerCallback):
             self.publish(state.global_step, local)
         else:  # another rank's share of the checkpoint (its RNG state) is not kept: rank 0's is
             shutil.rmtree(local, ignore_errors=True)
+
+
+def held_share(model) -> tuple[int, int]:
+    """(bytes of the model's weights this rank holds, bytes of all its weights): all of them under DDP, its
+    shard of each under FSDP2."""
+    from torch.distributed.tensor import DTensor
+
+    held = whole = 0
+    for p in model.parameters():
+        whole += p.numel() * p.element_size()
+        held += (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+    return held, whole
+
+
+class ShareReport(TrainerCallback):
+    """With several ranks, rank 0 says, once its model is wrapped for them, how much of the model's weights it
+    holds: the sign that FSDP2 shards (about 1/N of them) and DDP does not (all of them)."""
+
+    def __init__(self, trainer_config):
+        self.strategy, self.ranks = trainer_config.strategy, trainer_config.num_workers
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.ranks > 1 and state.is_world_process_zero and model is not None:
+            held, whole = held_share(model)
+            print(
+                f"trainer ranks: {self.strategy} over {self.ranks}; rank 0 holds {100 * held / whole:.0f}% of the "
+                f"model's {whole / 2**20:.1f} MiB of weights",
+                flush=True,
+            )

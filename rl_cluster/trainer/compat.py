@@ -97,6 +97,11 @@ rl_cluster/trainer/batching.py; the rest are here.
    model that keeps the forward's outputs, so the off-policy correction (rl_cluster.trainer.correction)
    computes its loss from the same forward while TRL's metrics and accounting stay TRL's. Retire when
    TRL's loss takes a correction of its own.
+22. accelerate 1.16 on a CPU machine drops an FSDP plugin without a word: `AcceleratorState` turns to
+   FSDP only on accelerator devices, so with `use_cpu` the ranks keep `MULTI_CPU` and the model is
+   wrapped in DDP (and with `use_cpu=False` on a CPU-only torch each rank believes it is alone). Yet
+   torch's `fully_shard` runs on CPU over gloo. `apply_trainer_workarounds` makes a multi-CPU state that
+   was given a plugin an FSDP one, as on GPUs: `trainer.strategy = "fsdp2"` is then sharded on CPU too.
 
 What retires each item (searched upstream trackers, 2026-12; "none filed" means no upstream issue was
 found, and the item goes when a release changes the behaviour its test shows):
@@ -110,7 +115,8 @@ found, and the item goes when a release changes the behaviour its test shows):
 - 11, 16: accelerate's dispatcher without read-ahead and TRL's batcher closing a step at a sample count;
   none filed (accelerate #2162 discusses the dispatcher's design).
 - 17: transformers #26413 (resume with a dataset without length; the PR #33544 is open).
-- 18: a public sync hook in AsyncGRPOTrainer; none filed. 21: TRL #6945, #7120.
+- 18: a public sync hook in AsyncGRPOTrainer; none filed. 21: TRL #6945, #7120. 22: none filed
+  (accelerate's FSDP on CPU); its test fails when accelerate keeps the plugin by itself.
 """
 
 from __future__ import annotations
@@ -195,6 +201,31 @@ def apply_trainer_workarounds() -> None:
         patched = _peak_flops_or_none(async_grpo_trainer.get_peak_flops_per_device)
         patched._rl_cluster_patched = True
         async_grpo_trainer.get_peak_flops_per_device = patched
+    if not torch.cuda.is_available():
+        shard_on_cpu()
+
+
+def _fsdp_on_cpu(original):
+    def init(self, *args, fsdp_plugin=None, **kwargs):
+        from accelerate.state import PartialState
+        from accelerate.utils import DistributedType
+
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+            PartialState._shared_state["distributed_type"] = self.distributed_type
+
+    init._rl_cluster_patched = True
+    return init
+
+
+def shard_on_cpu() -> None:
+    """Item 22: an FSDP plugin given to accelerate on CPU ranks makes them FSDP ranks. Idempotent."""
+    from accelerate.state import AcceleratorState
+
+    if not getattr(AcceleratorState.__init__, "_rl_cluster_patched", False):
+        AcceleratorState.__init__ = _fsdp_on_cpu(AcceleratorState.__init__)
 
 
 def training_precision_kwargs() -> dict:

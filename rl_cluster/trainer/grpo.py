@@ -149,9 +149,10 @@ class BucketSyncTrainer(AdapterSyncTrainer):
         }
 
     def sync_adapter(self, t0: float) -> tuple[float, float, float]:
-        """Every rank saves (a collective: each gathers its shards) and moves its version; rank 0 alone
-        publishes, loads, unloads and applies retention. The other ranks go on to the next step, where its
-        first collective holds them until rank 0 is done."""
+        """Every rank saves (a collective: each gathers its shards), moves its version and calls `on_sync`
+        (the check's forwards are collectives under FSDP2); rank 0 alone publishes, loads, unloads and
+        applies retention. The other ranks go on to the next step, where its first collective holds them
+        until rank 0 is done."""
         version = max(self.model_version + 1, self.first_version)
         name = adapter_dir_name(self.adapter_prefix, version)
         model = self.accelerator.unwrap_model(self.model)
@@ -159,6 +160,7 @@ class BucketSyncTrainer(AdapterSyncTrainer):
             with tempfile.TemporaryDirectory(prefix="rl_cluster-stage-") as stage:  # rank 0 writes the files
                 save_lora_adapter(model, self.accelerator, self.peft_adapter, os.path.join(stage, name))
             self.model_version = version
+            self.on_sync(version, name, {})
             now = time.time()
             return now, now, now
         peft_config = model.peft_config[self.peft_adapter]

@@ -160,14 +160,20 @@ class Rank:
         self._tell("rank_step", record, counts, experience)
 
     def _on_sync(self, version: int, name: str, timings: dict) -> None:
+        """Every rank after each sync: rank 0 checks the version and reports it; under FSDP2 the others
+        compute the check's forwards with it."""
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        if not self.main:
+            if self._served_check.lockstep:
+                self._served_check.join(model)
+            return
         record = {"version": version, "adapter": name, **timings}
-        if self._served_check.due(version):
-            record.update(
-                self._served_check.run(
-                    self.trainer.accelerator.unwrap_model(self.trainer.model), self.proxy.active_replica_urls(),
-                    name, self._check_prompt_ids, api_key=self.start.replica_key,
-                )
-            )  # fmt: skip
+        record.update(
+            self._served_check.run(
+                model, version, self.proxy.active_replica_urls, name, self._check_prompt_ids,
+                api_key=self.start.replica_key,
+            )
+        )  # fmt: skip
         self.last_sync = record
         self.metrics.observe("rl_trainer_handoff_seconds", timings["handoff_s"])
         if "check" in record:

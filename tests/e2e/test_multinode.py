@@ -586,7 +586,7 @@ def adapter_tensors(path: Path) -> dict:
 
 
 def test_a_killed_trainer_a_stopped_job_and_a_killed_driver_resume(cluster, hub_env, tmp_path):
-    """Two trainer ranks (DDP over gloo) on one trainer node. (a) SIGKILL rank 1 (a Ray Train worker): Ray
+    """Two trainer ranks (FSDP2 over gloo: each holds half the model) on one trainer node. (a) SIGKILL rank 1 (a Ray Train worker): Ray
     Train restarts the whole gang, which resumes from the newest checkpoint, every rank from the same step.
     Then SIGSTOP the new rank 0 (a paused VM): nothing dies and rank 1 waits for it in a collective; Ray
     Train's health check counts it dead after trainer.unresponsive_timeout_s, and the gang restarts and
@@ -598,7 +598,8 @@ def test_a_killed_trainer_a_stopped_job_and_a_killed_driver_resume(cluster, hub_
     bucket, run = tmp_path / "bucket", "mn-resume"
     keep = [f"bucket.uri={bucket}", f"model.path={HUB_ID}", "trainer.checkpoint_every=4",
             "trainer.keep_checkpoints=20", "bucket.keep_every=1", "trainer.num_workers=2",
-            "trainer.num_cpus=0.5", "trainer.max_restarts=2", f"trainer.unresponsive_timeout_s={UNRESPONSIVE_S}"]  # fmt: skip
+            "trainer.num_cpus=0.5", "trainer.max_restarts=2", f"trainer.unresponsive_timeout_s={UNRESPONSIVE_S}",
+            "trainer.strategy=fsdp2"]  # fmt: skip
     submit(cluster, "rlc-res-a", hub_env, [f"run_name={run}", "trainer.max_steps=40", *keep])
     # Killed as soon as checkpoint 8 is committed (its manifest): polling the job's log took seconds a
     # round, and a fast trainer had finished all 16 steps before the kill landed (then its restart
@@ -641,6 +642,10 @@ def test_a_killed_trainer_a_stopped_job_and_a_killed_driver_resume(cluster, hub_
     wait_for_file(bucket / run / "checkpoints" / f"step-{ckpt2 + 4}" / "manifest.json", 600)
     cluster.run("head", ["ray", "job", "stop", "--address", cluster.dashboard, "rlc-res-a"], timeout=120)
     assert wait_terminal(cluster, "rlc-res-a", 120) == "STOPPED"
+    # Sharded, not a silent DDP (compat item 22), in each of the three gangs.
+    logs = job_logs(cluster, "rlc-res-a")
+    shares = [int(s) for s in re.findall(r"trainer ranks: fsdp2 over 2; rank 0 holds (\d+)% of", logs)]
+    assert len(shares) == 3 and all(45 <= s <= 55 for s in shares), shares
     summary = json.loads((bucket / run / "summary.json").read_text())
     assert ckpt >= 8 and highest > ckpt  # versions were published after the checkpoint
     assert ckpt2 >= ckpt + 4 and highest2 > max(ckpt2, highest)
@@ -650,6 +655,8 @@ def test_a_killed_trainer_a_stopped_job_and_a_killed_driver_resume(cluster, hub_
         ckpt2,
     )
     assert ckpt2 + 4 <= summary["steps"] < 40 and summary["groups"]["failed"] == 0, summary
+    # The check's forwards ran on both shards in lockstep, and found each checked version served as trained.
+    assert summary["served_check"]["match"] >= 1 and summary["served_check"]["mismatch"] == 0, summary
     # The twice restarted gang's two ranks (new processes), on the trainer's node.
     placed = summary["trainer_ranks"]
     assert [r["address"] for r in placed] == [cluster.addresses[node]] * 2, placed

@@ -33,8 +33,12 @@ SECTIONS = {
     "## 8. Broadcast at scale": 3,  # a sync on 1, 8 and 32 stub replicas
     "## 9. Routing at scale": 2,  # ours, prefix and round robin (and vllm-router's two when installed)
     "## 10. The pool under a demand step": 2,  # one row per node-start delay
+    "## 12. Trainer ranks: 1 vs 2, DDP vs FSDP2": 3,
 }
-LABEL_COLUMNS = {"## 2. Proxy overhead": 2}  # path and load
+LABEL_COLUMNS = {
+    "## 2. Proxy overhead": 2,
+    "## 12. Trainer ranks: 1 vs 2, DDP vs FSDP2": 2,
+}  # path and load; mode
 NUMBER = re.compile(r"[-+]?\d+(\.\d+)?")
 PLOTS = (
     "routing",
@@ -273,3 +277,17 @@ def test_the_pool_step_section_has_a_row_per_node_start_delay(bench_run):
         rows
     )
     assert "| 30 | 6 | 6 | +0 |" in text
+
+
+def test_fsdp2_ranks_hold_half_of_the_weights_and_ddp_ranks_all_of_them(bench_run):
+    _, results, _ = bench_run
+    rows = {r["config"]: r for r in results["trainer_ranks"]["rows_by_config"]}
+    assert {c: r["distributed"] for c, r in rows.items()} == {
+        "1 rank": "NO", "2 ranks, DDP": "MULTI_CPU", "2 ranks, FSDP2": "FSDP"
+    }  # fmt: skip
+    whole = rows["1 rank"]["whole"]
+    assert all(
+        r["whole"] == whole and r["samples_per_s"] > 0 and r["peak"] >= r["resident"] for r in rows.values()
+    )
+    assert rows["1 rank"]["held"] == rows["2 ranks, DDP"]["held"] == whole
+    assert 0.45 * whole < rows["2 ranks, FSDP2"]["held"] < 0.55 * whole

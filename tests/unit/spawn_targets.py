@@ -131,3 +131,92 @@ def rank_trains_packed(rank: int, rendezvous: str, groups: int, step: int, budge
     out.close()
     out.join_thread()
     torch.distributed.destroy_process_group()
+
+
+def spawned_ranks(target, tmp_path, *args, timeout_s: float = 120) -> dict:
+    """Run `target(rank, rendezvous, *args, out)` on two spawned processes; each puts
+    `(rank, *result)` on `out`. Returns rank -> result (a tuple); a child that does not end is killed."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    rendezvous = f"file://{tmp_path / 'rendezvous'}"
+    ranks = [ctx.Process(target=target, args=(r, rendezvous, *args, out)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    try:
+        return {rank: result for rank, *result in (out.get(timeout=timeout_s) for _ in ranks)}
+    finally:
+        for p in ranks:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+def rank_shards(rank: int, rendezvous: str, model_dir: str, out) -> None:
+    """One of two accelerate ranks over gloo, given an FSDP2 plugin on CPU: first as accelerate 1.16 makes
+    it (DDP), then with compat item 22. With the sharded model, the served-vs-trained check's forwards
+    (both ranks in lockstep) against the same model unsharded, and against the model loaded in float64.
+    Then the LoRA after 3 steps on one batch: the DDP and the FSDP2 model each on its half, and the
+    unsharded model on all of it (one rank's training)."""
+    import os
+
+    import torch
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.state import AcceleratorState
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from rl_cluster.trainer import check, compat
+    from rl_cluster.trainer.callbacks import held_share
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    torch.distributed.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
+
+    def lora_model(dtype=torch.float32):
+        torch.manual_seed(0)  # the same LoRA weights each time; B != 0, so the adapter shows
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        return get_peft_model(base, LoraConfig(r=1, target_modules="all-linear", init_lora_weights=False))
+
+    def fsdp2():
+        return FullyShardedDataParallelPlugin(
+            fsdp_version=2, state_dict_type="FULL_STATE_DICT", auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["Qwen2DecoderLayer"],
+        )  # fmt: skip
+
+    def trained(model, rows) -> dict:
+        """The model's LoRA (by value: torch would share its memory) after 3 AdamW steps on `rows`."""
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        for _ in range(3):
+            model(input_ids=rows, labels=rows).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return {n: t.numpy() for n, t in check.lora_state(getattr(model, "module", model)).items()}
+
+    batch = torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(7))
+    share = batch.chunk(2)[rank]  # sequences of one length: the mean of the ranks' means is the batch's
+    accelerator = Accelerator(cpu=True, fsdp_plugin=fsdp2())
+    ddp = accelerator.prepare(lora_model())
+    as_shipped = (accelerator.distributed_type.value, type(ddp).__name__)
+    losses = {"DDP": trained(ddp, share)}
+    AcceleratorState._reset_state()
+    compat.shard_on_cpu()
+    accelerator = Accelerator(cpu=True, fsdp_plugin=fsdp2())
+    plain, sharded = lora_model(), accelerator.prepare(lora_model())
+    held, whole = held_share(sharded)
+    older = ("v1", {n: t / 2 for n, t in check.lora_state(plain).items()})
+    prompt, samples = [1, 20, 30, 40], [{"token_ids": [50, 60, 70, 2]}, {"token_ids": [33, 44]}]
+    computed = {}
+    for name, model in (("sharded", sharded), ("plain", plain)):
+        with check.scoring(model):
+            computed[name] = check.scores(model, prompt, samples, torch.float32, older)
+    in_float64 = check._logprobs_TOK(lora_model(torch.float64), prompt, samples)
+    gathered = check.lora_state(sharded)
+    same_lora = all(torch.equal(t, gathered[n]) for n, t in check.lora_state(plain).items())
+    start = {n: t.numpy() for n, t in check.lora_state(plain).items()}
+    losses.update({"FSDP2": trained(sharded, share), "one rank": trained(plain, batch)})
+    out.put((rank, as_shipped, accelerator.distributed_type.value, held / whole, computed, in_float64, same_lora,
+             start, losses))  # fmt: skip
+    out.close()
+    out.join_thread()  # sent before teardown (see rank_trains_packed)
+    torch.distributed.destroy_process_group()

@@ -1,10 +1,12 @@
-"""The served-vs-trained check computes the trainer's logprobs in other dtypes and with other LoRA weights for a
-moment (rl_cluster.trainer.check: computed_in, lora_weights): the module's own parameters must come back as
-they were, still hooked into DDP (a 2-rank run hung when rank 0's check had swapped its parameters' data to
-float64: their gradients were never all-reduced again), and tied weights must be swapped together."""
+"""The served-vs-trained check computes the trainer's logprobs in other dtypes and with other LoRA weights
+(rl_cluster.trainer.check: computed_in, lora_weights), swapped in during each forward: the module's own
+parameters must come back as they were, still hooked into DDP (a 2-rank run hung when rank 0's check had
+swapped its parameters' data to float64: their gradients were never all-reduced again), and tied weights
+must be swapped together. (Under FSDP2: tests/unit/test_compat.py, item 22.)"""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -22,10 +24,18 @@ def test_a_check_in_float64_keeps_each_parameter_and_its_gradient_accumulator():
     originals = list(model.parameters())
     before = [accumulator(p) for p in originals]
     with computed_in(model, torch.float64):
-        assert all(p.dtype == torch.float64 for p in model.parameters())
-        assert model(torch.randn(3, 4, dtype=torch.float64)).dtype == torch.float64
+        assert model(torch.randn(3, 4, dtype=torch.float64)).dtype == torch.float64  # swapped for the forward
+        assert list(model.parameters()) == originals  # and back after it
     assert list(model.parameters()) == originals and all(p.dtype == torch.float32 for p in originals)
     assert all(accumulator(p) is node for p, node in zip(originals, before, strict=True))
+
+
+def test_a_forward_that_raises_leaves_the_original_parameters():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    originals = list(model.parameters())
+    with pytest.raises(RuntimeError), computed_in(model, torch.float64):
+        model(torch.randn(3, 5, dtype=torch.float64))  # the wrong width
+    assert list(model.parameters()) == originals
 
 
 class Tied(nn.Module):
@@ -35,14 +45,16 @@ class Tied(nn.Module):
         self.head = nn.Linear(3, 5, bias=False)
         self.head.weight = self.embed.weight
 
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+
 
 def test_tied_weights_are_swapped_together_and_come_back_as_the_same_parameter():
     model, ids = Tied(), torch.tensor([1, 2])
     with computed_in(model, torch.float64):
-        assert model.embed.weight.dtype == model.head.weight.dtype == torch.float64
-        logits = model.head(model.embed(ids))
-    assert logits.dtype == torch.float64 and model.head.weight is model.embed.weight
+        assert model(ids).dtype == torch.float64  # the head's weight too: it is the embedding's
+    assert model.head.weight is model.embed.weight
     assert model.embed.weight.dtype == torch.float32 and model.embed.weight.requires_grad
-    other = {"embed.weight": torch.zeros(5, 3)}
-    with lora_weights(model, other):  # by name: only what the name says, and here none is LoRA
-        assert model.embed.weight.abs().sum() > 0
+    plain = model(ids)
+    with lora_weights(model, {"embed.weight": torch.zeros(5, 3)}):  # by name: only LoRA, and here none is
+        assert torch.equal(model(ids), plain)

@@ -318,21 +318,42 @@ def test_accelerate_pulls_the_next_batch_before_yielding_one():
 def test_with_two_ranks_rank_0_pulls_each_batch_as_the_step_starts_and_each_rank_gets_its_row(tmp_path):
     """Item 11 with several ranks: rank 0 pulls a batch only when it is yielded, broadcasts it, and each
     rank trains its own row; the end of rank 0's data ends every rank's loop."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    rendezvous = f"file://{tmp_path / 'rendezvous'}"
-    ranks = [ctx.Process(target=spawn_targets.rank_pulls, args=(r, rendezvous, out)) for r in (0, 1)]
-    for p in ranks:
-        p.start()
-    try:
-        seen = dict(out.get(timeout=120) for _ in ranks)
-    finally:
-        for p in ranks:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    seen = {
+        rank: rows
+        for rank, (rows,) in spawn_targets.spawned_ranks(spawn_targets.rank_pulls, tmp_path).items()
+    }
     assert seen[0] == [([[1]], 1), ([[2]], 2), ([[3]], 3)]  # pulled: exactly the batches yielded
     assert [rows for rows, _ in seen[1]] == [[[10]], [[20]], [[30]]]
+
+
+def test_accelerate_drops_fsdp_on_cpu_and_the_check_computes_on_the_shards_in_lockstep(
+    tiny_model_dir, tmp_path
+):
+    """Item 22: given an FSDP2 plugin on CPU, accelerate 1.16 keeps MULTI_CPU and wraps the model in DDP
+    without a word; with the workaround the ranks are FSDP ranks and each holds half of the weights. The
+    served-vs-trained check's forwards on the sharded model (both ranks at once) are those of the same
+    model unsharded, and its "exact" ones those of the model loaded in float64. Two DDP and two FSDP2
+    ranks, each on half of a batch, train the LoRA that one rank trains on all of it."""
+    seen = spawn_targets.spawned_ranks(
+        spawn_targets.rank_shards, tmp_path, str(tiny_model_dir), timeout_s=240
+    )
+    for rank in (0, 1):
+        as_shipped, distributed, share, computed, in_float64, same_lora, start, trained = seen[rank]
+        assert as_shipped == ("MULTI_CPU", "DistributedDataParallel")  # the plugin dropped
+        assert distributed == "FSDP" and 0.45 < share < 0.55
+        sharded, plain = computed["sharded"], computed["plain"]
+        for mine, reference in ((sharded.trained, plain.trained), (sharded.rounded, plain.rounded),
+                                (sharded.exact, in_float64), *zip(sharded.alternatives.values(),
+                                                                  plain.alternatives.values(), strict=True)):  # fmt: skip
+            assert mine == pytest.approx(reference, abs=1e-12)
+        assert set(sharded.alternatives) == {"base", "v1"}
+        assert max(abs(a - b) for a, b in zip(sharded.exact, sharded.trained, strict=True)) > 1e-10  # float64
+        assert max(abs(a - b) for a, b in zip(sharded.alternatives["v1"], sharded.exact, strict=True)) > 1e-4
+        assert same_lora  # the gathered LoRA (the older version's weights) is whole on every rank
+        one = trained["one rank"]
+        assert max(abs(one[n] - start[n]).max() for n in one) > 1e-3  # the steps moved the LoRA
+        for ranks in ("DDP", "FSDP2"):
+            assert max(abs(trained[ranks][n] - one[n]).max() for n in one) < 1e-4, ranks
 
 
 def _read_position(position, out):
@@ -499,20 +520,9 @@ def test_two_ranks_train_a_packed_step_as_one_token_mean(tmp_path):
     micro-batches, and DDP's averaged gradient is the step's token mean over all samples, as one rank's."""
     groups = 3  # 12 samples: the step
     samples = list(_rollout_samples(groups))  # the same ones rank 0 makes
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    rendezvous = f"file://{tmp_path / 'rendezvous'}"
-    args = (rendezvous, groups, len(samples), BUDGET, out)
-    ranks = [ctx.Process(target=spawn_targets.rank_trains_packed, args=(r, *args)) for r in (0, 1)]
-    for p in ranks:
-        p.start()
-    try:
-        seen = {rank: (steps, grad) for rank, steps, grad in (out.get(timeout=120) for _ in ranks)}
-    finally:
-        for p in ranks:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    seen = spawn_targets.spawned_ranks(
+        spawn_targets.rank_trains_packed, tmp_path, groups, len(samples), BUDGET
+    )
     (steps0, grad0), (steps1, grad1) = seen[0], seen[1]
     assert len(steps0) == len(steps1) == 1 and len(steps0[0]) == len(steps1[0]) == 2  # 4 rows, 2 each
     tokens = sum(int(s["completion_mask"].sum()) for s in samples)

@@ -94,6 +94,7 @@ def test_overrides_apply_with_the_fields_types_and_leave_the_rest_alone():
         (["trainer.num_workers=3", "trainer.completions_per_step=32"],
          r"completions_per_step=32 does not split evenly into trainer\.num_workers=3 ranks: make it a multiple of 3"),
         (["trainer.num_workers=2", "trainer.mode=sync"], r"trainer\.mode = 'sync' runs one trainer rank"),
+        (["trainer.strategy=fsdp2"], r'strategy = "fsdp2" shards the model over trainer\.num_workers ranks, and there is one'),
         (["trainer.collective_timeout_s=1000"],
          r"trainer\.collective_timeout_s=1000 is shorter than rank 0's I/O between two collectives \(600 s for an "
          r"adapter load \+ proxy\.unavailable_timeout_s=300 \+ 300 s for an upload = 1200 s\)"),

@@ -93,20 +93,21 @@ def test_checks_run_until_one_tells_and_the_older_reference_moves_only_when_told
     verdicts = iter([Verdict.UNDECIDED, Verdict.UNDECIDED, Verdict.MATCH, Verdict.UNDECIDED, Verdict.MATCH])
     olders = []
 
-    def fake_check_replicas(model, urls, adapter, prompt_ids, *, older, **kw):
+    def fake_judged(model, answers, prompt_ids, dtype, noise_multiple, older):
         olders.append(older[0] if older else None)
         base = judge("g0", EXACT, EXACT, EXACT, noisy(EXACT, 1e-2, 1), {}, 4.0)
         return [dataclasses.replace(base, verdict=next(verdicts))]
 
-    monkeypatch.setattr(check_module, "check_replicas", fake_check_replicas)
+    asked = []
+    monkeypatch.setattr(check_module, "replica_answers", lambda urls, adapter, *a, **kw: asked.append(adapter) or
+                        [(urls[0], [{"token_ids": [3], "logprobs": [-1.0]}])])  # fmt: skip
+    monkeypatch.setattr(check_module, "judged", fake_judged)
     monkeypatch.setattr(check_module, "lora_state", lambda model: {})
     config = RunConfig.model_validate({"run_name": "r", "check": {"every_syncs": 3}})
     served = check_module.ServedCheck(config)
-    done = []
     for version in range(1, 8):
-        if served.due(version):
-            served.run(None, ["http://g0"], f"r-v{version}", [1])
-            done.append(version)
+        served.run(None, version, lambda: ["http://g0"], f"r-v{version}", [1])
+    done = [int(adapter.rsplit("-v", 1)[1]) for adapter in asked]
     assert done == [1, 2, 3, 6]  # until v3 told; then every 3rd sync
     # v1 held as the first reference; v2 too close to it (kept); v3 told apart (becomes it); v6 too close.
     assert olders == [None, "v1", "v1", "v3"]
