@@ -255,11 +255,17 @@ def replica_answers(replica_urls: list[str], adapter: str, prompt_ids: list[int]
     return answers
 
 
+def all_scores(model, answers: list[tuple[str, list[dict]]], prompt_ids: list[int], dtype: torch.dtype,
+               older: tuple[str, dict] | None) -> list[Scores]:  # fmt: skip
+    """Each replica's `scores`: the forwards of a check, which under FSDP2 every rank runs, in this order."""
+    with scoring(model):
+        return [scores(model, prompt_ids, samples, dtype, older) for _, samples in answers]
+
+
 def judged(model, answers: list[tuple[str, list[dict]]], prompt_ids: list[int], dtype: torch.dtype,
            noise_multiple: float, older: tuple[str, dict] | None) -> list[ReplicaCheck]:  # fmt: skip
     """Each replica's verdict on its answers (rl_cluster.core.served_check)."""
-    with scoring(model):
-        computed = [scores(model, prompt_ids, samples, dtype, older) for _, samples in answers]
+    computed = all_scores(model, answers, prompt_ids, dtype, older)
     return [
         judge(url, [lp for s in samples for lp in s["logprobs"]], *mine, noise_multiple)
         for (url, samples), mine in zip(answers, computed, strict=True)
@@ -294,6 +300,7 @@ class ServedCheck:
     def __init__(self, config: RunConfig):
         self.config = config
         self.lockstep = config.trainer.strategy == "fsdp2"
+        self.dtype = getattr(torch, config.model.dtype)
         self.told = False  # a check of this process could tell (match or mismatch)
         self.older: tuple[str, dict] | None = None  # the newest version told apart: name, LoRA weights
 
@@ -308,7 +315,6 @@ class ServedCheck:
         say in the log what was found, and return the sync record's part (`served_vs_trained_gap`, `check`):
         nothing when not due or no replica answered."""
         c = self.config
-        dtype = getattr(torch, c.model.dtype)
         answers = []
         if self.due(version):
             answers = replica_answers(
@@ -319,7 +325,7 @@ class ServedCheck:
             _from_rank_0([answers, prompt_ids])
         if not answers:
             return {}
-        checks = judged(model, answers, prompt_ids, dtype, c.check.noise_multiple, self.older)
+        checks = judged(model, answers, prompt_ids, self.dtype, c.check.noise_multiple, self.older)
         verdict = sync_verdict(checks)
         for replica in checks:
             if replica.verdict is Verdict.MISMATCH:
@@ -347,10 +353,7 @@ class ServedCheck:
         answers, prompt_ids = _from_rank_0([None, None])
         if not answers:
             return
-        dtype = getattr(torch, self.config.model.dtype)
-        with scoring(model):
-            for _, samples in answers:
-                scores(model, prompt_ids, samples, dtype, self.older)
+        all_scores(model, answers, prompt_ids, self.dtype, self.older)
         (keep,) = _from_rank_0([None])
         if keep:
             self.older = ("", lora_state(model))  # only rank 0 names it

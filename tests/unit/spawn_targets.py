@@ -198,7 +198,7 @@ def rank_shards(rank: int, rendezvous: str, model_dir: str, out) -> None:
     accelerator = Accelerator(cpu=True, fsdp_plugin=fsdp2())
     ddp = accelerator.prepare(lora_model())
     as_shipped = (accelerator.distributed_type.value, type(ddp).__name__)
-    losses = {"DDP": trained(ddp, share)}
+    lora_after = {"DDP": trained(ddp, share)}
     AcceleratorState._reset_state()
     compat.shard_on_cpu()
     accelerator = Accelerator(cpu=True, fsdp_plugin=fsdp2())
@@ -206,17 +206,17 @@ def rank_shards(rank: int, rendezvous: str, model_dir: str, out) -> None:
     held, whole = held_share(sharded)
     older = ("v1", {n: t / 2 for n, t in check.lora_state(plain).items()})
     prompt, samples = [1, 20, 30, 40], [{"token_ids": [50, 60, 70, 2]}, {"token_ids": [33, 44]}]
-    computed = {}
-    for name, model in (("sharded", sharded), ("plain", plain)):
-        with check.scoring(model):
-            computed[name] = check.scores(model, prompt, samples, torch.float32, older)
+    computed = {  # as ServedCheck.run and .join compute them (both ranks at once for the sharded model)
+        name: check.all_scores(model, [("replica", samples)], prompt, torch.float32, older)[0]
+        for name, model in (("sharded", sharded), ("plain", plain))
+    }
     in_float64 = check._logprobs_TOK(lora_model(torch.float64), prompt, samples)
     gathered = check.lora_state(sharded)
     same_lora = all(torch.equal(t, gathered[n]) for n, t in check.lora_state(plain).items())
     start = {n: t.numpy() for n, t in check.lora_state(plain).items()}
-    losses.update({"FSDP2": trained(sharded, share), "one rank": trained(plain, batch)})
+    lora_after.update({"FSDP2": trained(sharded, share), "one rank": trained(plain, batch)})
     out.put((rank, as_shipped, accelerator.distributed_type.value, held / whole, computed, in_float64, same_lora,
-             start, losses))  # fmt: skip
+             start, lora_after))  # fmt: skip
     out.close()
     out.join_thread()  # sent before teardown (see rank_trains_packed)
     torch.distributed.destroy_process_group()
