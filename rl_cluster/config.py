@@ -190,10 +190,14 @@ class TrainerConfig(Section):
     accumulated into the step's one update; 0 trains the step's samples in one forward. At least
     model.max_model_len."""
     num_workers: int = Field(1, ge=1)
-    """Data-parallel ranks of the trainer (DDP: gloo on CPU, NCCL on GPUs), placed on one node with the
-    `trainer` resource (each rank takes one) and restarted together by Ray Train. Each trains
+    """Data-parallel ranks of the trainer (DDP: gloo on CPU, NCCL on GPUs), placed on one node (or
+    several: span_nodes) with the `trainer` resource (each rank takes one) and restarted together by Ray Train. Each trains
     completions_per_step / num_workers samples of every step; rank 0 alone publishes, loads, checkpoints,
     evaluates and reports."""
+    span_nodes: bool = False
+    """Let the ranks span trainer nodes when one node cannot hold them all (Ray's PACK: as few nodes as
+    hold them, e.g. 2 nodes x 4 GPUs for 8 ranks); gloo and NCCL then cross the network every step. Off,
+    every rank is on one node (STRICT_PACK), and a run whose ranks no node can hold is refused."""
     strategy: Literal["ddp", "fsdp2"] = "ddp"
     """How the ranks hold the model. `ddp`: each rank holds all of it, gradients are all-reduced: the
     fastest while the model, its activations and (with LoRA, small) optimizer state fit one device.
@@ -213,6 +217,11 @@ class TrainerConfig(Section):
                 raise ValueError(
                     'trainer.strategy = "fsdp2" shards the model over trainer.num_workers ranks, and there is '
                     'one: set num_workers = 2 or more, or strategy = "ddp"'
+                )
+            if self.span_nodes:
+                raise ValueError(
+                    "trainer.span_nodes lets the trainer's ranks span nodes, and there is one rank: set "
+                    "trainer.num_workers = 2 or more, or span_nodes = false"
                 )
             return self
         if self.completions_per_step % self.num_workers:

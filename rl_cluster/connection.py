@@ -93,9 +93,13 @@ def placement_requests(config: RunConfig) -> list[Request]:
     else:
         here = ray.get_runtime_context().get_node_id()
     generator = {"generator": 1, "GPU": config.generator.num_gpus}
-    t = config.trainer  # its ranks, on one node (STRICT_PACK)
-    trainer = {"trainer": t.num_workers, "CPU": t.num_workers * t.num_cpus, "GPU": t.num_workers * t.num_gpus}
-    return [Request("proxy", proxy, here), Request("generator", generator), Request("trainer", trainer)]
+    t = config.trainer  # its ranks: on one node (STRICT_PACK), or as many as it takes (span_nodes: PACK)
+    rank = {"trainer": 1, "CPU": t.num_cpus, "GPU": t.num_gpus}
+    if t.span_nodes:
+        trainer = Request("trainer", rank, copies=t.num_workers)
+    else:
+        trainer = Request("trainer", {name: t.num_workers * amount for name, amount in rank.items()})
+    return [Request("proxy", proxy, here), Request("generator", generator), trainer]
 
 
 async def check_placeable(config: RunConfig, wait_for_report_s: float = 15.0) -> None:

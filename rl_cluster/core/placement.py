@@ -24,15 +24,24 @@ _READONLY_TYPE = re.compile(r"node_[0-9a-f]{20,}")
 
 @dataclass(frozen=True)
 class Request:
-    """One actor's resources; `node`: it is pinned to that node id (the proxy on the driver's node)."""
+    """One actor's resources; `node`: it is pinned to that node id (the proxy on the driver's node);
+    `copies`: that many of it, on as many nodes as it takes (the trainer's ranks with trainer.span_nodes)."""
 
     actor: str
     resources: Mapping[str, float]
     node: str | None = field(default=None)
+    copies: int = 1
 
 
 def _fits(resources: Mapping[str, float], totals: Mapping[str, float]) -> bool:
     return all(totals.get(name, 0.0) >= amount for name, amount in resources.items() if amount > 0)
+
+
+def _how_many(resources: Mapping[str, float], totals: Mapping[str, float]) -> int:
+    """Copies of `resources` one node of these totals holds."""
+    return int(
+        min((totals.get(name, 0.0) // amount for name, amount in resources.items() if amount > 0), default=0)
+    )
 
 
 def unplaceable(
@@ -52,6 +61,15 @@ def unplaceable(
         candidates = [nodes[request.node]] if request.node in nodes else []
         if request.node is None:
             candidates = [*nodes.values(), *node_types]
+        if request.copies > 1 and request.node is None:
+            # Spread over nodes: the live ones together, or a node type the autoscaler adds as often as needed.
+            if sum(
+                _how_many(request.resources, totals) for totals in nodes.values()
+            ) >= request.copies or any(_fits(request.resources, totals) for totals in node_types):
+                continue
+            together = " + ".join(name for name, amount in request.resources.items() if amount > 0)
+            missing[request.actor] = [f"{request.copies} x ({together}) across the nodes"]
+            continue
         if any(_fits(request.resources, totals) for totals in candidates):
             continue
         short = [

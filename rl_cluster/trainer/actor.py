@@ -34,6 +34,16 @@ GO_WAIT_S = 5.0  # a rank's rank_go() is answered at least this often while the 
 STOPPED_WAIT_S = KeptCheckpoints.STOP_WAIT_S + 3.0
 
 
+def _room(t) -> str:
+    """The question to ask when no rank started: what the ranks need of the trainer nodes."""
+    if t.span_nodes:
+        return (f"do the trainer nodes have {t.num_workers} x (`trainer: 1`, {t.num_cpus:g} CPUs, {t.num_gpus:g} "
+                "GPUs) free between them?")  # fmt: skip
+    return (f"does one node have `trainer: {t.num_workers}`, {t.num_workers * t.num_cpus:g} CPUs and "
+            f"{t.num_workers * t.num_gpus:g} GPUs free (the ranks go together; trainer.span_nodes lets them "
+            "span nodes)?")  # fmt: skip
+
+
 class Trainer:
     def __init__(self, config: RunConfig, proxy_url: str, proxy_token: str | None = None,
                  replica_key: str | None = None, environment: dict[str, str] | None = None):  # fmt: skip
@@ -145,10 +155,8 @@ class Trainer:
     def placement(self) -> dict:
         """Where rank 0 runs (address, node_id, pid); waits for it to start."""
         if not self._placed.wait(PLACED_WAIT_S):
-            t = self.config.trainer
             raise RuntimeError(
-                f"no trainer rank started within {PLACED_WAIT_S:.0f} s: does one node have `trainer: {t.num_workers}`, "
-                f"{t.num_workers * t.num_cpus:g} CPUs and {t.num_workers * t.num_gpus:g} GPUs free (the ranks go together)?"
+                f"no trainer rank started within {PLACED_WAIT_S:.0f} s: {_room(self.config.trainer)}"
             )
         return self._ranks[0].placement()
 

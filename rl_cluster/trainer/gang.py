@@ -26,13 +26,53 @@ TRAIN_ENVIRONMENT = {
 }
 
 
+def gloo_interface(address: str, interfaces: dict[str, list[str]]) -> str | None:
+    """The network interface that holds `address` (`interfaces`: name -> its addresses), or None.
+
+    >>> gloo_interface("10.0.0.7", {"lo": ["127.0.0.1"], "eth0": ["10.0.0.7", "fe80::1"]})
+    'eth0'
+    """
+    return next((name for name, addresses in interfaces.items() if address in addresses), None)
+
+
+def bind_gloo_to_node_address() -> None:
+    """Run on each rank before its process group forms: gloo binds to the interface of the address Ray
+    knows this node by, unless GLOO_SOCKET_IFNAME is set already.
+
+    Without it torch's gloo binds to whatever the machine's hostname resolves to and falls back to
+    loopback: where the hostname is 127.0.0.1 (host-networked pods, network namespaces, many /etc/hosts)
+    every rank then advertises 127.0.0.1 to the others, and a gang across nodes fails in
+    connectFullMesh ("Connection refused, remote=[127.0.0.1]") after the collective timeout. Ray's own
+    rendezvous (MASTER_ADDR) already uses the node address; this makes gloo's pairs use it too."""
+    import psutil
+    import ray
+
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    interfaces = {name: [a.address for a in addrs] for name, addrs in psutil.net_if_addrs().items()}
+    if name := gloo_interface(ray.util.get_node_ip_address(), interfaces):
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+
+
 def torch_config(config: RunConfig):
-    """The ranks' process group: NCCL on GPUs, gloo on CPU, each collective bounded by
-    trainer.collective_timeout_s (Ray sets TORCH_NCCL_ASYNC_ERROR_HANDLING, so NCCL's bound fails too)."""
+    """The ranks' process group: NCCL on GPUs, gloo on CPU (and for CPU tensors beside NCCL), gloo bound to
+    each node's Ray address, each collective bounded by trainer.collective_timeout_s (Ray sets
+    TORCH_NCCL_ASYNC_ERROR_HANDLING, so NCCL's bound fails too)."""
     from ray.train.torch import TorchConfig
+    from ray.train.torch.config import _TorchBackend  # no public hook runs before the group forms
+
+    class NodeAddressBackend(_TorchBackend):
+        def on_start(self, worker_group, backend_config):
+            worker_group.execute(bind_gloo_to_node_address)
+            super().on_start(worker_group, backend_config)
+
+    class NodeAddressTorchConfig(TorchConfig):
+        @property
+        def backend_cls(self):
+            return NodeAddressBackend
 
     t = config.trainer
-    return TorchConfig(backend="nccl" if t.num_gpus else "gloo", timeout_s=t.collective_timeout_s)
+    return NodeAddressTorchConfig(backend="nccl" if t.num_gpus else "gloo", timeout_s=t.collective_timeout_s)
 
 
 def fit_ranks(config: RunConfig, proxy_url: str, coordinator) -> None:
@@ -57,7 +97,8 @@ def fit_ranks(config: RunConfig, proxy_url: str, coordinator) -> None:
             num_workers=t.num_workers,
             use_gpu=t.num_gpus > 0,
             resources_per_worker=resources,
-            placement_strategy="STRICT_PACK",
+            # As few nodes as hold them all (PACK), or one node whatever it takes (STRICT_PACK).
+            placement_strategy="PACK" if t.span_nodes else "STRICT_PACK",
         ),
         run_config=ray.train.RunConfig(
             name=f"{config.run_name}-{time.strftime('%Y%m%d-%H%M%S')}",

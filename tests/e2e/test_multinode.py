@@ -38,8 +38,11 @@ pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[2]
 # A trainer node holds two ranks (the resume run trains on two, the chaos run on one).
 NODES = {"head": {}, "trainer": {"trainer": 2}, "gen0": {"generator": 1}, "gen1": {"generator": 1},
-         "spare": {"generator": 1}, "spare2": {"generator": 1}, "trainer2": {"trainer": 2}}  # fmt: skip
-SPARE = ("spare", "spare2", "trainer2")  # they join mid-run, in the chaos run
+         "spare": {"generator": 1}, "spare2": {"generator": 1}, "trainer2": {"trainer": 2},
+         "trainer3": {"trainer": 2}}  # fmt: skip
+# The first three join mid-run, in the chaos run; trainer3 before the resume run's last job, whose two ranks
+# span two trainer nodes.
+SPARE = ("spare", "spare2", "trainer2", "trainer3")
 HUB_ID = "local/tiny-qwen2"
 UNRESPONSIVE_S = 20  # trainer.unresponsive_timeout_s of the resume run, whose rank 0 is SIGSTOPped
 # In the head's environment only, as a pod spec's secret would put them: the driver inherits them and hands
@@ -593,8 +596,9 @@ def test_a_killed_trainer_a_stopped_job_and_a_killed_driver_resume(cluster, hub_
     resumes again, leaving neither the stopped process nor its rollout child behind. Then `ray job stop`
     ends the run with its summary written and nothing left running. (b) SIGKILL the
     driver of the run continued with --resume: the job dies, and (c) --resume once more takes it to its
-    max_steps. Versions are never renumbered; the resumed policy is the checkpoint's (its first published
-    adapter holds the checkpoint's weights, bit for bit)."""
+    max_steps, its two ranks on two trainer nodes (gloo across the nodes). Versions are never renumbered;
+    the resumed policy is the checkpoint's (its first published adapter holds the checkpoint's weights, bit
+    for bit)."""
     bucket, run = tmp_path / "bucket", "mn-resume"
     keep = [f"bucket.uri={bucket}", f"model.path={HUB_ID}", "trainer.checkpoint_every=4",
             "trainer.keep_checkpoints=20", "bucket.keep_every=1", "trainer.num_workers=2",
@@ -704,10 +708,20 @@ def test_a_killed_trainer_a_stopped_job_and_a_killed_driver_resume(cluster, hub_
         time.sleep(1)
     assert not cluster.vllm_pids(), "a vLLM server outlived its killed driver"
 
-    submit(cluster, "rlc-res-c", hub_env, ["--resume", run, f"trainer.max_steps={final}", *keep])
+    # (c) on two trainer nodes: a rank takes a whole node's CPU (each node has one), so no node holds both
+    # and the ranks span them (trainer.span_nodes), FSDP2 over gloo between the nodes' addresses.
+    cluster.join("trainer3")
+    spanning = ["trainer.span_nodes=true", "trainer.num_cpus=1"]
+    submit(cluster, "rlc-res-c", hub_env, ["--resume", run, f"trainer.max_steps={final}", *keep, *spanning])
     assert wait_terminal(cluster, "rlc-res-c", 900) == "SUCCEEDED", job_logs(cluster, "rlc-res-c")[-6000:]
     summary = json.loads((bucket / run / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["resumed_from_step"] >= later
+    spanned = {r["address"] for r in summary["trainer_ranks"]}
+    assert len(spanned) == 2 and spanned <= {
+        cluster.addresses[n] for n in NODES if n.startswith("trainer")
+    }, summary["trainer_ranks"]
+    lines = re.findall(r"trainer rank (\d)/2 on (\S+) \(pid", job_logs(cluster, "rlc-res-c"))
+    assert sorted(lines) == [(str(i), r["address"]) for i, r in enumerate(summary["trainer_ranks"])], lines
     steps = [json.loads(line)["step"] for line in (bucket / run / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, final + 1))  # the whole history, each step once
     # Every version ever published is unique, and numbering only went up across the three jobs.

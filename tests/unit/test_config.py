@@ -1,3 +1,4 @@
+import os
 import re
 from pathlib import Path
 
@@ -95,6 +96,7 @@ def test_overrides_apply_with_the_fields_types_and_leave_the_rest_alone():
          r"completions_per_step=32 does not split evenly into trainer\.num_workers=3 ranks: make it a multiple of 3"),
         (["trainer.num_workers=2", "trainer.mode=sync"], r"trainer\.mode = 'sync' runs one trainer rank"),
         (["trainer.strategy=fsdp2"], r'strategy = "fsdp2" shards the model over trainer\.num_workers ranks, and there is one'),
+        (["trainer.span_nodes=true"], r"trainer\.span_nodes lets the trainer's ranks span nodes, and there is one rank"),
         (["trainer.collective_timeout_s=1000"],
          r"trainer\.collective_timeout_s=1000 is shorter than rank 0's I/O between two collectives \(600 s for an "
          r"adapter load \+ proxy\.unavailable_timeout_s=300 \+ 300 s for an upload = 1200 s\)"),
@@ -121,6 +123,24 @@ def test_the_ranks_collectives_are_bounded_by_collective_timeout_s():
     cpu = torch_config(load_config(None, ["run_name=t", "trainer.collective_timeout_s=1300"]))
     gpu = torch_config(load_config(None, ["run_name=t", "trainer.num_gpus=1"]))
     assert (cpu.backend, cpu.timeout_s, gpu.backend, gpu.timeout_s) == ("gloo", 1300, "nccl", 1800)
+
+
+def test_gloo_binds_to_the_interface_of_the_nodes_ray_address(monkeypatch):
+    """Where the hostname resolves to 127.0.0.1 (this machine, host-networked pods, namespace nodes) gloo
+    would bind to loopback and a gang across nodes could not connect; each rank binds it to the interface
+    of the address Ray knows its node by, and a GLOO_SOCKET_IFNAME the user set stays."""
+    import psutil
+    import ray
+
+    from rl_cluster.trainer.gang import bind_gloo_to_node_address
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    bind_gloo_to_node_address()
+    held = [a.address for a in psutil.net_if_addrs()[os.environ["GLOO_SOCKET_IFNAME"]]]
+    assert ray.util.get_node_ip_address() in held, held
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine0")
+    bind_gloo_to_node_address()
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "mine0"
 
 
 @pytest.mark.parametrize(

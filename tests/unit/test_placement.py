@@ -46,6 +46,19 @@ def test_too_few_cpus_on_every_node_is_named():
     ) == {"trainer": ["CPU"]}
 
 
+def test_ranks_that_span_nodes_count_every_node_together():
+    # Two GPU ranks (trainer.span_nodes): two one-GPU trainer nodes hold them, one does not.
+    ranks = [Request("trainer", {"trainer": 1, "CPU": 1.0, "GPU": 1.0}, copies=2)]
+    one_gpu = {"CPU": 4.0, "trainer": 4.0, "GPU": 1.0}
+    assert unplaceable(ranks, {"a": one_gpu, "b": one_gpu}) == {}
+    assert unplaceable(ranks, {"a": one_gpu, "b": {"CPU": 4.0, "GPU": 8.0}}) == {
+        "trainer": ["2 x (trainer + CPU + GPU) across the nodes"]
+    }
+    assert unplaceable(ranks, {"a": {"CPU": 4.0, "trainer": 2.0, "GPU": 2.0}}) == {}
+    # The autoscaler adds a node type that holds one rank as often as it takes.
+    assert unplaceable(ranks, {}, [one_gpu]) == {}
+
+
 def test_a_node_type_the_autoscaler_may_add_counts():
     types = [{"CPU": 1.0, "generator": 1.0}, {"CPU": 8.0, "GPU": 1.0, "trainer": 1.0}]
     assert unplaceable(RUN, PLAIN_HEAD, types) == {}
