@@ -48,16 +48,30 @@ def on_signals(callback) -> None:
         loop.add_signal_handler(sig, callback)
 
 
-def _cancel_once(task: asyncio.Task):
-    """The first signal cancels the run; later ones must not interrupt its cleanup."""
+class RunStop:
+    """Called on a stop (a signal, `ray job stop`) or the lease's loss: the first cancels the run's task while
+    it trains; later ones, and any once the run is `ending` (its summary and cleanup under way), interrupt
+    nothing. A frozen driver, thawed, hears both its trainer's end and its lease's loss at once: the loss
+    cancelled the summary, and the driver died in a traceback with no summary printed."""
 
-    def cancel() -> None:
-        if not task.cancelling():
-            task.cancel()
-        else:
+    def __init__(self, task: asyncio.Task):
+        self.task, self.ending = task, False
+
+    def __call__(self) -> None:
+        if self.ending or self.task.cancelling():
             print("already stopping: summary first, then every process", flush=True)
+        else:
+            self.task.cancel()
 
-    return cancel
+
+def failure(error: Exception) -> str:
+    """What the summary says of the error that ended a run: an actor's arrives wrapped in Ray's RayTaskError,
+    whose message is the actor's whole traceback (the log shows it); the summary names the actor's error."""
+    import ray.exceptions
+
+    if isinstance(error, ray.exceptions.RayTaskError) and isinstance(error.cause, Exception):
+        error = error.cause
+    return f"{type(error).__name__}: {error}"
 
 
 async def _bounded(awaitable: Awaitable, default):
@@ -105,22 +119,22 @@ async def train(config: RunConfig, resume: bool = False) -> dict:
     bucket = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url)
     lease = bucket.run_lease(config.run_name)
     lease.acquire()  # before the checks in _train: they are check-then-act, safe only under the lease
-    loop, run = asyncio.get_running_loop(), asyncio.current_task()
+    loop, stop = asyncio.get_running_loop(), RunStop(asyncio.current_task())
     news = LeaseNews()
 
     def lost(why: str) -> None:
         news.lost(why)  # the trainer stops writing first, then the run stops
-        loop.call_soon_threadsafe(_cancel_once(run))
+        loop.call_soon_threadsafe(stop)
 
     lease.start_renewing(lost, news.renewed)
-    on_signals(_cancel_once(run))  # from here on a stop ends the run at its next await, summary.json first
+    on_signals(stop)  # from here on a stop ends the run at its next await, summary.json first
     try:
-        return await _train(config, bucket, lease, news, resume)
+        return await _train(config, bucket, lease, news, resume, stop)
     finally:
         lease.release()
 
 
-async def _train(config: RunConfig, bucket, lease, news: LeaseNews, resume: bool) -> dict:
+async def _train(config: RunConfig, bucket, lease, news: LeaseNews, resume: bool, stop: RunStop) -> dict:
     import ray
 
     from rl_cluster.cluster import start_proxy
@@ -135,12 +149,11 @@ async def _train(config: RunConfig, bucket, lease, news: LeaseNews, resume: bool
     # SecretStr fields dump as '**********': the resolved config holds no token.
     name = "config.resolved.json" if not resume else f"config.resumed-{time.strftime('%Y%m%d-%H%M%S')}.json"
     bucket.write_text(config.run_name, name, config.model_dump_json(indent=2))
-    start = time.time()
-    status, error, cluster = "finished", None, None
+    start, status, error, cluster = time.time(), "finished", None, None
     result = {"history": [], "syncs": [], "checkpoints": []}
     try:
         loopback, dashboard = connect(config)
-        on_signals(_cancel_once(asyncio.current_task()))  # again: ray.init put its own SIGTERM handler in
+        on_signals(stop)  # again: ray.init put its own SIGTERM handler in
         if not loopback:  # a private local Ray declared the resources itself
             await check_placeable(config)  # RunRefused in seconds where no node can ever hold an actor
         secrets = RunSecrets.for_run(config)
@@ -165,9 +178,10 @@ async def _train(config: RunConfig, bucket, lease, news: LeaseNews, resume: bool
         asyncio.current_task().uncancel()  # the stop is handled here; the cleanup's awaits must run
         status, error = _stopped(config, lease)
     except Exception as e:
-        status, error = "failed", f"{type(e).__name__}: {e}"
+        status, error = "failed", failure(e)
         print(f"\nrun {config.run_name} failed: {error}", flush=True)
         traceback.print_exc()  # the summary keeps the message; the log keeps where it happened
+    stop.ending = True
     try:
         # After the lease was lost another driver may hold the run: nothing more of this one is written.
         writable = bucket if lease.lost is None else None

@@ -23,8 +23,15 @@ class WriteFence:
     """Writes allowed while the lease is known held. `first_news_s`: how long a check waits for the first
     news (a trainer just started, or restarted by Ray, hears from the driver within a renewal period)."""
 
-    def __init__(self, margin_s: float, first_news_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        margin_s: float,
+        first_news_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        on_refused: Callable[[str], None] | None = None,
+    ):
         self.margin_s, self.first_news_s, self.clock = margin_s, first_news_s, clock
+        self.on_refused = on_refused  # told each write `admits` refused, with why
         self._deadline: float | None = None  # on `clock`: writes end here
         self._lost: str | None = None
         self._news = threading.Condition()
@@ -69,10 +76,21 @@ class WriteFence:
                 )
             return None
 
+    def admits(self, what: str) -> bool:
+        """Whether a write of `what` may go ahead now. A refusal is handed to `on_refused` (the trainer ends
+        at the end of the step under way, every rank together, and fails the run with it), not raised: a
+        rank that raised mid-step would leave the others waiting in a collective."""
+        why = self.refusal()
+        if why is not None and self.on_refused is not None:
+            self.on_refused(_refused(what, why))
+        return why is None
+
     def check(self, what: str) -> None:
         """LeaseLost naming `what` when a write now would be refused."""
         why = self.refusal()
         if why is not None:
-            raise LeaseLost(
-                f"the trainer refuses to {what}: {why}. The run that holds the lease writes this run"
-            )
+            raise LeaseLost(_refused(what, why))
+
+
+def _refused(what: str, why: str) -> str:
+    return f"the trainer refuses to {what}: {why}. The run that holds the lease writes this run"

@@ -58,7 +58,8 @@ class KeptCheckpoints:
         with self._publishing:
             if self.stopping.is_set():
                 return None
-            self.fence.check(f"publish checkpoint {step}")
+            if not self.fence.admits(f"publish checkpoint {step}"):
+                return None
             uri, deleted = publish_checkpoint(
                 self.bucket, self.config, step, local_dir, state, base_fingerprint, stopping=self.stopping
             )

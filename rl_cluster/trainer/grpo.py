@@ -29,6 +29,7 @@ from rl_cluster.core.admission import AdmissionWindow
 from rl_cluster.core.fence import WriteFence
 from rl_cluster.core.manifest import AdapterMeta, adapter_dir_name, split_adapter_dir_name
 from rl_cluster.trainer.batching import over_step_tokens, packed_steps, step_rows, train_rows
+from rl_cluster.trainer.callbacks import any_rank
 from rl_cluster.trainer.compat import (
     AdapterSyncTrainer,
     bound_score_queue,
@@ -155,8 +156,14 @@ class BucketSyncTrainer(AdapterSyncTrainer):
         until rank 0 is done."""
         version = max(self.model_version + 1, self.first_version)
         name = adapter_dir_name(self.adapter_prefix, version)
+        # Rank 0's fence decides for every rank (the save and the check are collectives): a refused
+        # publication skips the whole sync, and the refusal stops training at this step's end.
+        main = self.accelerator.is_main_process
+        if any_rank(self.accelerator, main and not self.fence.admits(f"publish {name}")):
+            now = time.time()
+            return now, now, now
         model = self.accelerator.unwrap_model(self.model)
-        if not self.accelerator.is_main_process:
+        if not main:
             with tempfile.TemporaryDirectory(prefix="rl_cluster-stage-") as stage:  # rank 0 writes the files
                 save_lora_adapter(model, self.accelerator, self.peft_adapter, os.path.join(stage, name))
             self.model_version = version
@@ -211,7 +218,8 @@ class BucketSyncTrainer(AdapterSyncTrainer):
             parsed = split_adapter_dir_name(routable)
             if parsed and parsed[0] == self.adapter_prefix and parsed[1] <= stale:
                 self.proxy.unload_adapter(routable)
-        self.fence.check("delete the versions that left the staleness window")
+        if not self.fence.admits("delete the versions that left the staleness window"):
+            return
         # Never delete what a replica still holds (a long request keeps an unloaded version loaded), and
         # keep files one sync past their unload: vLLM re-reads evicted adapters from disk.
         protected = set(range(max(stale - 1, 1), version + 1))

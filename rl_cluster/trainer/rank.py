@@ -98,7 +98,10 @@ class Rank:
         token = start.proxy_token or (configured.get_secret_value() if configured else None)
         self.proxy = ProxyClient(proxy_url, token)
         self.bucket = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url)
-        self.fence = WriteFence(margin_s=LEASE_TTL_S / 4, first_news_s=LEASE_TTL_S / 2)  # before each write
+        self.fence = WriteFence(  # before each write
+            margin_s=LEASE_TTL_S / 4, first_news_s=LEASE_TTL_S / 2, on_refused=self._fenced
+        )
+        self._refused: str | None = None  # the first write the fence refused, and why
         self.checkpoints = KeptCheckpoints(self.bucket, config, self.fence)
         self.metrics = RayMetricSet(TRAINER_METRICS, config.run_name)
         self._served_check = ServedCheck(config)
@@ -138,6 +141,14 @@ class Rank:
                 self._tell("rank_stopped", list(self.checkpoints.uris))
                 told_stopped = True
             time.sleep(ORDERS_EVERY_S)
+
+    def _fenced(self, refused: str) -> None:
+        """Rank 0's fence refused a write: training ends at the end of this step on every rank (the stop
+        is all-reduced), writing nothing more, and the run fails with why."""
+        if self._refused is None:
+            self._refused = refused
+            print(f"trainer: {refused}; training stops at the end of this step", flush=True)
+        self.checkpoints.stopping.set()
 
     # -- reporting -------------------------------------------------------------------------------------
     def _group_counts(self) -> dict:
@@ -239,6 +250,8 @@ class Rank:
                 print(
                     f"checkpoint step {resumed_from_step} is trainer.max_steps: nothing to train", flush=True
                 )
+            if self._refused is not None:
+                self._tell("rank_failed", f"LeaseLost: {self._refused}")
         finally:
             self._training.clear()
             if self._experience is not None:

@@ -63,10 +63,35 @@ def rank_pulls(rank: int, rendezvous: str, out) -> None:
     accelerator = Accelerator(cpu=True, dataloader_config=settings)
     prepared = accelerator.prepare(DataLoader(Batches(), batch_size=1, collate_fn=lambda items: items[0]))
     seen = [(batch["x"].tolist(), len(pulled)) for batch in compat.without_lookahead(prepared, accelerator)]
-    out.put((rank, seen))
+    out.put((rank, seen, fenced_sync(rank, accelerator)))
     out.close()
     out.join_thread()  # sent before teardown (see rank_trains_packed)
     torch.distributed.destroy_process_group()
+
+
+def fenced_sync(rank: int, accelerator) -> tuple:
+    """BucketSyncTrainer.sync_adapter on two ranks whose rank 0's write fence refuses the publication (its
+    driver lost the lease): what each rank's sync returned to, and whether each rank's step-end callback
+    stops training. Nothing of the trainer but what the decision reads exists: a rank that went on to save
+    would fail on the missing model."""
+    import threading
+    from types import SimpleNamespace
+
+    from transformers import TrainerControl
+
+    from rl_cluster.core.fence import WriteFence
+    from rl_cluster.trainer.callbacks import StopWhenAsked
+    from rl_cluster.trainer.grpo import BucketSyncTrainer
+
+    stop = threading.Event()  # the rank's stop, as Rank._fenced sets it
+    fence = WriteFence(margin_s=15, first_news_s=0, on_refused=lambda why: stop.set())
+    fence.lost("lease.json is now held by host b") if rank == 0 else fence.renewed(60)
+    trainer = SimpleNamespace(model_version=4, first_version=1, adapter_prefix="run", accelerator=accelerator,
+                              fence=fence)  # fmt: skip
+    BucketSyncTrainer.sync_adapter(trainer, 0.0)
+    control = TrainerControl()
+    StopWhenAsked(stop, accelerator).on_step_end(None, None, control)
+    return trainer.model_version, stop.is_set(), control.should_training_stop
 
 
 def rollout_samples(groups: int, group_size: int = 4, prompt: int = 10, completion: int = 6):

@@ -315,15 +315,28 @@ def test_accelerate_pulls_the_next_batch_before_yielding_one():
     assert source.pulled == 3
 
 
-def test_with_two_ranks_rank_0_pulls_each_batch_as_the_step_starts_and_each_rank_gets_its_row(tmp_path):
+@pytest.fixture(scope="module")
+def two_cpu_ranks(tmp_path_factory) -> dict:
+    """Two accelerate ranks over gloo, spawned once for the tests that read their results
+    (spawn_targets.rank_pulls): rank -> (rows each got, the fenced sync's outcome)."""
+    return spawn_targets.spawned_ranks(spawn_targets.rank_pulls, tmp_path_factory.mktemp("ranks"))
+
+
+def test_with_two_ranks_rank_0_pulls_each_batch_as_the_step_starts_and_each_rank_gets_its_row(two_cpu_ranks):
     """Item 11 with several ranks: rank 0 pulls a batch only when it is yielded, broadcasts it, and each
     rank trains its own row; the end of rank 0's data ends every rank's loop."""
-    seen = {
-        rank: rows
-        for rank, (rows,) in spawn_targets.spawned_ranks(spawn_targets.rank_pulls, tmp_path).items()
-    }
+    seen = {rank: rows for rank, (rows, _) in two_cpu_ranks.items()}
     assert seen[0] == [([[1]], 1), ([[2]], 2), ([[3]], 3)]  # pulled: exactly the batches yielded
     assert [rows for rows, _ in seen[1]] == [[[10]], [[20]], [[30]]]
+
+
+def test_a_publication_rank_0s_fence_refuses_is_skipped_by_every_rank_and_stops_both(two_cpu_ranks):
+    """Rank 0's driver lost the lease: rank 0's fence refuses the version's publication. Every rank skips
+    the whole sync (the save is a collective: rank 1 alone would wait in it), none moves its version, and at
+    the step's end both stop (the stop is all-reduced), rather than rank 0 raising mid-step while rank 1
+    waits in a collective until the gang is aborted."""
+    assert two_cpu_ranks[0][1] == (4, True, True)  # rank 0: refused, its stop set
+    assert two_cpu_ranks[1][1] == (4, False, True)  # rank 1: told by the all-reduce
 
 
 def test_accelerate_drops_fsdp_on_cpu_and_the_check_computes_on_the_shards_in_lockstep(

@@ -71,3 +71,19 @@ def test_a_fence_passes_on_its_news_without_its_margin():
     assert rank.refusal() is None  # 44.9 s after the renewal: still inside 60 - 15
     fence.lost("taken over")
     assert fence.news()[1] == "taken over"
+
+
+def test_a_refused_write_is_handed_on_not_raised():
+    """`admits`: the trainer's way to ask mid-step; a refusal goes to on_refused (which stops training at
+    the step's end on every rank) rather than raising out of the step."""
+    clock, refused = Clock(), []
+    fence = WriteFence(margin_s=15, first_news_s=0, clock=clock, on_refused=refused.append)
+    fence.renewed(60)
+    assert fence.admits("publish v3") and refused == []
+    clock.now += 45.1
+    assert not fence.admits("publish v4")
+    assert refused == [
+        "the trainer refuses to publish v4: the run's lease was last known held until 0 s ago (less a 15 s "
+        "margin): the driver stopped renewing it (frozen, or cut off from the bucket), and another driver may "
+        "hold it now. The run that holds the lease writes this run"
+    ]

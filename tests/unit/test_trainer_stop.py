@@ -8,14 +8,12 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 from transformers import TrainerControl
 
 import rl_cluster.trainer.checkpoints as checkpoints_module
 from rl_cluster.bucket import Bucket
 from rl_cluster.config import load_config
 from rl_cluster.core.fence import WriteFence
-from rl_cluster.errors import LeaseLost
 from rl_cluster.trainer.callbacks import StopWhenAsked
 from rl_cluster.trainer.checkpoints import KeptCheckpoints
 
@@ -80,15 +78,21 @@ def test_a_fenced_trainer_publishes_no_checkpoint_and_deletes_nothing(tmp_path):
     local = tmp_path / "checkpoint-5"
     local.mkdir()
     (local / "trainer_state.json").write_text("{}")
+    refused: list[str] = []
     fence = _held()
+    fence.on_refused = refused.append
     kept = KeptCheckpoints(bucket, config, fence)
     assert kept.publish(5, str(local), {}, "") == bucket.checkpoint_uri("fenced", 5)
     fence.lost("lease.json is now held by host b, pid 7")
     local.mkdir()
     (local / "trainer_state.json").write_text("{}")
-    with pytest.raises(LeaseLost, match="refuses to publish checkpoint 10: the driver lost the run's lease"):
-        kept.publish(10, str(local), {}, "")
+    # Not raised mid-step (the other ranks would wait in a collective): handed on, and nothing published.
+    assert kept.publish(10, str(local), {}, "") is None
     assert bucket.list_checkpoints("fenced") == [5]  # nothing published, retention deleted nothing
+    assert (
+        len(refused) == 1
+        and "refuses to publish checkpoint 10: the driver lost the run's lease" in refused[0]
+    )
 
 
 def test_a_publication_longer_than_stop_waits_goes_on_without_retention(tmp_path, monkeypatch):
