@@ -56,8 +56,9 @@ demo: setup
 test: setup tools
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 tests/unit tests/e2e tests/integration
 
+# Two workers (pytest-xdist): 177 s on one, 117 s on two of this machine's two cores.
 test-fast: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm" tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm" -n 2 tests
 
 lint: setup
 	$(BIN)/ruff check .

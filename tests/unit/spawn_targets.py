@@ -36,15 +36,40 @@ def parent_of_orphan(watch: bool, out) -> None:
     time.sleep(120)
 
 
-def rank_pulls(rank: int, rendezvous: str, out) -> None:
-    """One of two accelerate ranks over gloo, with TRL's dataloader settings, iterating `without_lookahead`:
-    rank 0's loader yields 3 batches of two rows (rank 1's is empty, as TRL builds it); each rank reports
-    the rows it got, and with each how many batches rank 0's loader had pulled by then."""
+def cpu_ranks(rank: int, rendezvous: str, groups: int, step: int, budget: int, out) -> None:
+    """One of two accelerate ranks over gloo with TRL's dataloader settings, for the tests that read their
+    results (spawned once for all: each spawn imports torch, accelerate and TRL): what `without_lookahead`
+    handed each rank (`pulled_rows`), a sync that rank 0's write fence refuses (`fenced_sync`), and a
+    token-budget step (`packed_training`)."""
     import os
 
     import torch
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    torch.distributed.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
+    settings = DataLoaderConfiguration(dispatch_batches=True, split_batches=True)  # TRL's (AsyncGRPOConfig)
+    accelerator = Accelerator(cpu=True, dataloader_config=settings)
+    results = (
+        pulled_rows(rank, accelerator),
+        fenced_sync(rank, accelerator),
+        packed_training(rank, accelerator, groups, step, budget),
+    )
+    out.put((rank, *results))
+    # Sent before any teardown: 1 run in about 10, rank 0 stopped for good as its function returned, its
+    # queue's feeder thread blocked before it had written the result (faulthandler's dump; a teardown that
+    # holds the GIL, I think), and the parent waited in vain. The parent kills a child that does not end.
+    out.close()
+    out.join_thread()
+    torch.distributed.destroy_process_group()
+
+
+def pulled_rows(rank: int, accelerator) -> list:
+    """Rank 0's loader yields 3 batches of two rows (rank 1's is empty, as TRL builds it), iterated through
+    `without_lookahead`: the rows each rank got, and with each how many batches rank 0's loader had pulled
+    by then."""
+    import torch
     from torch.utils.data import DataLoader, IterableDataset
 
     from rl_cluster.trainer import compat
@@ -57,16 +82,8 @@ def rank_pulls(rank: int, rendezvous: str, out) -> None:
                 pulled.append(k)
                 yield {"x": torch.tensor([[k], [10 * k]])}
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
-    torch.distributed.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
-    settings = DataLoaderConfiguration(dispatch_batches=True, split_batches=True)  # TRL's (AsyncGRPOConfig)
-    accelerator = Accelerator(cpu=True, dataloader_config=settings)
     prepared = accelerator.prepare(DataLoader(Batches(), batch_size=1, collate_fn=lambda items: items[0]))
-    seen = [(batch["x"].tolist(), len(pulled)) for batch in compat.without_lookahead(prepared, accelerator)]
-    out.put((rank, seen, fenced_sync(rank, accelerator)))
-    out.close()
-    out.join_thread()  # sent before teardown (see rank_trains_packed)
-    torch.distributed.destroy_process_group()
+    return [(batch["x"].tolist(), len(pulled)) for batch in compat.without_lookahead(prepared, accelerator)]
 
 
 def fenced_sync(rank: int, accelerator) -> tuple:
@@ -111,28 +128,20 @@ def rollout_samples(groups: int, group_size: int = 4, prompt: int = 10, completi
             }
 
 
-def rank_trains_packed(rank: int, rendezvous: str, groups: int, step: int, budget: int, out) -> None:
-    """One of two accelerate ranks over gloo iterating `packed_steps` (rank 0 over TRL's token-budget
-    loader of `rollout_samples(groups)`, rank 1 over nothing, as TRL builds them), training each micro-batch with TRL's
-    normalisation on a one-weight DDP model whose loss sums the row's trained tokens' advantages + 2 (a
-    group's advantages sum to 0: without the shift any normalisation would give a gradient of 0).
-    Reports per step the micro-batches it ran (its rows' group ids and trained-token counts) and, after
-    the last, the weight's accumulated gradient."""
-    import os
+def packed_training(rank: int, accelerator, groups: int, step: int, budget: int) -> tuple[list, float]:
+    """`packed_steps` over TRL's token-budget loader of `rollout_samples(groups)` on rank 0 (over nothing on
+    rank 1, as TRL builds them), training each micro-batch with TRL's normalisation on a one-weight DDP
+    model whose loss sums the row's trained tokens' advantages + 2 (a group's advantages sum to 0: without
+    the shift any normalisation would give a gradient of 0). Per step the micro-batches it ran (its rows'
+    group ids and trained-token counts) and, after the last, the weight's accumulated gradient."""
     from types import SimpleNamespace
 
     import torch
-    from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration
     from torch.utils.data import DataLoader
     from trl.experimental.async_grpo import async_grpo_trainer
 
     from rl_cluster.trainer import batching
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
-    torch.distributed.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
-    settings = DataLoaderConfiguration(dispatch_batches=True, split_batches=True)  # TRL's (AsyncGRPOConfig)
-    accelerator = Accelerator(cpu=True, dataloader_config=settings)
     samples = list(rollout_samples(groups)) if rank == 0 else []
     planner = async_grpo_trainer.TokenBudgetBatcher(samples, 2, budget, {})
     collate = async_grpo_trainer.DataCollatorForRollout(pad_token_id=0, num_processes=2)
@@ -149,13 +158,7 @@ def rank_trains_packed(rank: int, rendezvous: str, groups: int, step: int, budge
             batching.over_step_tokens(loss, batch).backward()
             ran.append((sorted(set(batch["segment_id"][selected].tolist())), int(selected.sum())))
         steps.append(ran)
-    out.put((rank, steps, model.module.weight.grad.item()))
-    # Sent before any teardown: 1 run in about 10, rank 0 stopped for good as this function returned, its
-    # queue's feeder thread blocked before it had written the result (faulthandler's dump; a teardown that
-    # holds the GIL, I think), and the parent waited in vain. The parent kills a child that does not end.
-    out.close()
-    out.join_thread()
-    torch.distributed.destroy_process_group()
+    return steps, model.module.weight.grad.item()
 
 
 def spawned_ranks(target, tmp_path, *args, timeout_s: float = 120) -> dict:
@@ -243,5 +246,5 @@ def rank_shards(rank: int, rendezvous: str, model_dir: str, out) -> None:
     out.put((rank, as_shipped, accelerator.distributed_type.value, held / whole, computed, in_float64, same_lora,
              start, lora_after))  # fmt: skip
     out.close()
-    out.join_thread()  # sent before teardown (see rank_trains_packed)
+    out.join_thread()  # sent before teardown (see cpu_ranks)
     torch.distributed.destroy_process_group()

@@ -318,14 +318,17 @@ def test_accelerate_pulls_the_next_batch_before_yielding_one():
 @pytest.fixture(scope="module")
 def two_cpu_ranks(tmp_path_factory) -> dict:
     """Two accelerate ranks over gloo, spawned once for the tests that read their results
-    (spawn_targets.rank_pulls): rank -> (rows each got, the fenced sync's outcome)."""
-    return spawn_targets.spawned_ranks(spawn_targets.rank_pulls, tmp_path_factory.mktemp("ranks"))
+    (spawn_targets.cpu_ranks): rank -> (rows each got, the fenced sync's outcome, the packed step's)."""
+    groups = 3  # 12 samples: the packed step
+    return spawn_targets.spawned_ranks(
+        spawn_targets.cpu_ranks, tmp_path_factory.mktemp("ranks"), groups, 4 * groups, BUDGET
+    )
 
 
 def test_with_two_ranks_rank_0_pulls_each_batch_as_the_step_starts_and_each_rank_gets_its_row(two_cpu_ranks):
     """Item 11 with several ranks: rank 0 pulls a batch only when it is yielded, broadcasts it, and each
     rank trains its own row; the end of rank 0's data ends every rank's loop."""
-    seen = {rank: rows for rank, (rows, _) in two_cpu_ranks.items()}
+    seen = {rank: ranks[0] for rank, ranks in two_cpu_ranks.items()}
     assert seen[0] == [([[1]], 1), ([[2]], 2), ([[3]], 3)]  # pulled: exactly the batches yielded
     assert [rows for rows, _ in seen[1]] == [[[10]], [[20]], [[30]]]
 
@@ -528,15 +531,11 @@ def test_a_step_for_several_ranks_gives_each_rank_as_many_rows():
         batching.micro_batches(batching.pack_rows(samples[:3], 16), 2)
 
 
-def test_two_ranks_train_a_packed_step_as_one_token_mean(tmp_path):
+def test_two_ranks_train_a_packed_step_as_one_token_mean(two_cpu_ranks):
     """Two ranks over gloo: rank 0 packs each step (the others get only their rows), both run as many
     micro-batches, and DDP's averaged gradient is the step's token mean over all samples, as one rank's."""
-    groups = 3  # 12 samples: the step
-    samples = list(_rollout_samples(groups))  # the same ones rank 0 makes
-    seen = spawn_targets.spawned_ranks(
-        spawn_targets.rank_trains_packed, tmp_path, groups, len(samples), BUDGET
-    )
-    (steps0, grad0), (steps1, grad1) = seen[0], seen[1]
+    samples = list(_rollout_samples(3))  # the same ones rank 0 makes
+    (steps0, grad0), (steps1, grad1) = two_cpu_ranks[0][2], two_cpu_ranks[1][2]
     assert len(steps0) == len(steps1) == 1 and len(steps0[0]) == len(steps1[0]) == 2  # 4 rows, 2 each
     tokens = sum(int(s["completion_mask"].sum()) for s in samples)
     assert sum(n for _, n in steps0[0] + steps1[0]) == tokens  # every trained token, once
