@@ -134,13 +134,22 @@ def test_gloo_binds_to_the_interface_of_the_nodes_ray_address(monkeypatch):
 
     from rl_cluster.trainer.gang import bind_gloo_to_node_address
 
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    # Set first so that monkeypatch restores its absence: bind_gloo_to_node_address writes os.environ itself,
+    # and a GLOO_SOCKET_IFNAME left in the test process reached the vLLM servers of later tests, whose gloo
+    # then looked for this machine's interface inside a network namespace.
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "unset")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     bind_gloo_to_node_address()
     held = [a.address for a in psutil.net_if_addrs()[os.environ["GLOO_SOCKET_IFNAME"]]]
     assert ray.util.get_node_ip_address() in held, held
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine0")
     bind_gloo_to_node_address()
     assert os.environ["GLOO_SOCKET_IFNAME"] == "mine0"
+
+
+def test_no_test_leaves_gloo_bound_to_an_interface():
+    """After the test above (same module, later): the variable is gone again."""
+    assert "GLOO_SOCKET_IFNAME" not in os.environ
 
 
 @pytest.mark.parametrize(
