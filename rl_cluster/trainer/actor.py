@@ -17,7 +17,7 @@ import time
 import ray
 
 from rl_cluster.bucket import LEASE_TTL_S, Bucket
-from rl_cluster.config import RunConfig
+from rl_cluster.config import RunConfig, TrainerConfig
 from rl_cluster.core.evaluation import with_evals
 from rl_cluster.core.fence import WriteFence
 from rl_cluster.core.summary import progress_line
@@ -34,7 +34,7 @@ GO_WAIT_S = 5.0  # a rank's rank_go() is answered at least this often while the 
 STOPPED_WAIT_S = KeptCheckpoints.STOP_WAIT_S + 3.0
 
 
-def _room(t) -> str:
+def _room(t: TrainerConfig) -> str:
     """The question to ask when no rank started: what the ranks need of the trainer nodes."""
     if t.span_nodes:
         return (f"do the trainer nodes have {t.num_workers} x (`trainer: 1`, {t.num_cpus:g} CPUs, {t.num_gpus:g} "

@@ -148,7 +148,7 @@ class Rank:
         if self._refused is None:
             self._refused = refused
             print(f"trainer: {refused}; training stops at the end of this step", flush=True)
-        self.checkpoints.stopping.set()
+        self.checkpoints.stopping.set()  # not stop(): this may run inside a checkpoint's publish, its lock held
 
     # -- reporting -------------------------------------------------------------------------------------
     def _group_counts(self) -> dict:

@@ -102,7 +102,10 @@ def fenced_sync(rank: int, accelerator) -> tuple:
 
     stop = threading.Event()  # the rank's stop, as Rank._fenced sets it
     fence = WriteFence(margin_s=15, first_news_s=0, on_refused=lambda why: stop.set())
-    fence.lost("lease.json is now held by host b") if rank == 0 else fence.renewed(60)
+    if rank == 0:
+        fence.lost("lease.json is now held by host b")
+    else:
+        fence.renewed(60)
     trainer = SimpleNamespace(model_version=4, first_version=1, adapter_prefix="run", accelerator=accelerator,
                               fence=fence)  # fmt: skip
     BucketSyncTrainer.sync_adapter(trainer, 0.0)
