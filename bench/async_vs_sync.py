@@ -81,7 +81,7 @@ async def unload_all(proxy, proxy_url: str) -> None:
     await asyncio.sleep(1.0)  # unloads run in the proxy's background
 
 
-async def train_once(config, proxy, proxy_url: str) -> dict:
+async def train_once(config, proxy) -> dict:
     """One training run of the trainer actor, under the run's lease as a driver holds it: the trainer
     writes only while it hears of its renewals (rl_cluster.core.fence)."""
     import ray
@@ -93,7 +93,7 @@ async def train_once(config, proxy, proxy_url: str) -> dict:
     lease.acquire()
     news = LeaseNews()
     lease.start_renewing(news.lost, news.renewed)
-    trainer = news.trainer = trainer_actor(config, proxy_url, RunSecrets())
+    trainer = news.trainer = trainer_actor(config, proxy, RunSecrets())
     trainer.lease_news.remote(valid_for_s=lease.valid_for())
     samples: list = []
     stop = asyncio.Event()
@@ -168,7 +168,7 @@ async def train_side_by_side(servers, model_dir, work, configs: dict, reps: int,
             turn = rep % len(labels)  # each repetition starts with the next config
             for label in labels[turn:] + labels[:turn]:
                 config = configs[label].model_copy(update={"run_name": f"{configs[label].run_name}-{rep}"})
-                record(label, config, await train_once(config, proxy, proxy_url))
+                record(label, config, await train_once(config, proxy))
                 await unload_all(proxy, proxy_url)
         await proxy.stop.remote()
     finally:

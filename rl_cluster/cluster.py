@@ -215,7 +215,9 @@ class Cluster:
                 members[rid] = Member(*answer)
             elif rid not in self._starting:  # one being started registers by itself once it serves
                 unreached[rid] = "no server yet" if answer is None else f"{type(answer).__name__}: {answer}"
-        url = await self.proxy.restore.remote(port, members, unreached)
+        url = self.proxy_url = await self.proxy.restore.remote(port, members, unreached)
+        # Ray restarts it on another `proxy` node when its own was lost: the summary says where it ended.
+        self.placement["proxy"] = await self.proxy.placement.remote()
         print(f"proxy restarted by Ray: serving again on {url} with {sorted(members)}"
               + (f"; out of routing until they answer: {sorted(unreached)}" if unreached else ""),
               flush=True)  # fmt: skip

@@ -161,7 +161,7 @@ async def _train(config: RunConfig, bucket, lease, news: LeaseNews, resume: bool
         print(f"run {config.run_name}: {starting}", flush=True)
         cluster = await start_proxy(config, log_dir_for(config), secrets, loopback=loopback)
         # Its process starts (imports torch, transformers, TRL) beside the vLLM servers; the cleanup ends both.
-        cluster.trainer = news.trainer = trainer_actor(config, cluster.proxy_url, secrets)
+        cluster.trainer = news.trainer = trainer_actor(config, cluster.proxy, secrets)
         cluster.trainer.lease_news.remote(valid_for_s=lease.valid_for())
         await cluster.add_generators(config.generator.replicas)
         cluster.pool = await start_pool(cluster)

@@ -67,9 +67,10 @@ def actor_state(actor) -> str | None:
     return None if state is None else str(state.state)
 
 
-def trainer_actor(config: RunConfig, proxy_url: str, secrets):
+def trainer_actor(config: RunConfig, proxy, secrets):
     """The run's trainer actor, the coordinator of its ranks (rl_cluster.trainer.actor), on the driver's
-    node; it takes no `trainer` resource (its ranks do, placed by Ray Train). The run's secrets reach it as
+    node; it takes no `trainer` resource (its ranks do, placed by Ray Train). `proxy`: the run's proxy
+    actor: a handle, not its URL, which changes when Ray restarts it on another node. The run's secrets reach it as
     constructor arguments, never through the runtime_env that Ray's dashboard shows."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -92,7 +93,7 @@ def trainer_actor(config: RunConfig, proxy_url: str, secrets):
             max_restarts=config.trainer.max_restarts,
             max_task_retries=config.trainer.max_restarts,
         )
-        .remote(config, proxy_url, secrets.proxy_token, secrets.replica_key, secrets.environment)
+        .remote(config, proxy, secrets.proxy_token, secrets.replica_key, secrets.environment)
     )
 
 

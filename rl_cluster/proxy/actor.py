@@ -63,12 +63,13 @@ class ProxyActor:
         self.serving = False
         # Set once it takes registrations: at start, or for one Ray restarted, once restored.
         self._open = asyncio.Event()
+        self.url: str | None = None  # where it serves, once it does
 
     async def start(self, port: int | None = None, restoring: bool = False) -> str:
         """Start serving; returns the proxy's base URL. `port`: bind this one (a restarted proxy takes
         its predecessor's, where the clients look), else the configured one. `restoring`: generators that
         register wait until `restore` is done with what their predecessor held."""
-        url = await self._server.start(port)
+        url = self.url = await self._server.start(port)
         self.serving = True
         if not restoring:
             self._open.set()
@@ -101,6 +102,12 @@ class ProxyActor:
         actor = await asyncio.to_thread(ray.get_actor, name)  # a GCS lookup: off the event loop
         answer = await actor.membership.remote()
         return None if answer is None else Member(*answer)
+
+    async def address(self) -> str | None:
+        """Where it serves, once it takes requests (None before: a proxy Ray restarted and the pool
+        controller has not restored yet). Ray restarts a proxy whose node was lost on another node with a
+        `proxy` resource, at that node's address: the trainer asks this, through its handle, to follow it."""
+        return self.url if self._open.is_set() else None
 
     async def add_replica(
         self, replica_id: str, url: str, control: AdapterLoader | None = None, capacity: int | None = None

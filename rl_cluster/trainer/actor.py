@@ -45,14 +45,14 @@ def _room(t: TrainerConfig) -> str:
 
 
 class Trainer:
-    def __init__(self, config: RunConfig, proxy_url: str, proxy_token: str | None = None,
+    def __init__(self, config: RunConfig, proxy, proxy_token: str | None = None,
                  replica_key: str | None = None, environment: dict[str, str] | None = None):  # fmt: skip
-        """`proxy_token`: for the proxy; `replica_key`: for the served-vs-trained check, which samples
+        """`proxy`: the run's proxy actor (the ranks ask it where it serves); `proxy_token`: for it; `replica_key`: for the served-vs-trained check, which samples
         from each replica directly; `environment`: the driver's secrets (HF_TOKEN, WANDB_API_KEY). The
         ranks are started at once (they import the training stack while the generators start) and train
         once run() is asked."""
         os.environ.update(environment or {})  # WANDB_API_KEY: the W&B run is this actor's
-        self.config, self.proxy_url = config, proxy_url
+        self.config, self.proxy = config, proxy
         self._secrets = {
             "proxy_token": proxy_token,
             "replica_key": replica_key,
@@ -86,7 +86,7 @@ class Trainer:
 
     def _fit_ranks(self) -> None:
         try:
-            fit_ranks(self.config, self.proxy_url, ray.get_runtime_context().current_actor)
+            fit_ranks(self.config, self.proxy, ray.get_runtime_context().current_actor)
         except BaseException as e:  # noqa: BLE001  raised by run(), where the driver hears of it
             self._fit_error = e
 

@@ -157,7 +157,7 @@ def evaluator(config: RunConfig, trainer, proxy: ProxyClient):
 
     return Evaluator(
         config,
-        proxy.url,
+        proxy.address,  # follows the proxy where it moves, as the control calls do
         trainer.processing_class,
         import_function(config.task.rewards[0]),
         load_prepared(config, "eval").to_list(),

@@ -44,7 +44,7 @@ def _response_parser(tokenizer):
 class Evaluator:
     """Generates and grades the eval split under one adapter name at a time."""
 
-    def __init__(self, config: RunConfig, proxy_url: str, tokenizer, reward_func: Callable, rows: list[dict],
+    def __init__(self, config: RunConfig, proxy_url: str | Callable[[], str], tokenizer, reward_func: Callable, rows: list[dict],
                  chat_template_kwargs: dict | None = None, auth_token: str | None = None):  # fmt: skip
         """`rows`: the prepared eval split's rows (a `prompt` message list and the grader's columns);
         `auth_token`: the proxy's token (it demands the token on generation whenever it holds one)."""

@@ -75,9 +75,10 @@ def torch_config(config: RunConfig):
     return NodeAddressTorchConfig(backend="nccl" if t.num_gpus else "gloo", timeout_s=t.collective_timeout_s)
 
 
-def fit_ranks(config: RunConfig, proxy_url: str, coordinator) -> None:
+def fit_ranks(config: RunConfig, proxy, coordinator) -> None:
     """Run rl_cluster.trainer.rank.rank_main on each rank until every rank returned. Raises Ray Train's
-    error when the gang failed more often than trainer.max_restarts allows."""
+    error when the gang failed more often than trainer.max_restarts allows. `proxy`: the run's proxy
+    actor, which each rank asks where it serves."""
     os.environ.update(TRAIN_ENVIRONMENT)
     # Train's controller polls each rank every 2 s; a poll unanswered this long ends the attempt.
     os.environ["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = str(config.trainer.unresponsive_timeout_s)
@@ -91,7 +92,7 @@ def fit_ranks(config: RunConfig, proxy_url: str, coordinator) -> None:
     resources = {"CPU": t.num_cpus, "trainer": 1, **({"GPU": t.num_gpus} if t.num_gpus else {})}
     trainer = TorchTrainer(
         rank_main,
-        train_loop_config={"config": config, "proxy_url": proxy_url, "coordinator": coordinator},
+        train_loop_config={"config": config, "proxy": proxy, "coordinator": coordinator},
         torch_config=torch_config(config),
         scaling_config=ray.train.ScalingConfig(
             num_workers=t.num_workers,

@@ -77,7 +77,10 @@ class BucketSyncTrainer(AdapterSyncTrainer):
         # samples, judges their staleness and hands each rank its row.
         self.position = None
         if self.accelerator.is_main_process:
-            self.position = TrainerPosition(self.rollout_context, limit=admission.limit(pulled=0))
+            self.position = TrainerPosition(
+                self.rollout_context, limit=admission.limit(pulled=0), proxy_url=proxy.address()
+            )
+            proxy.address.followers.append(self.position.follow_proxy)
             pin_group_versions(
                 self, window=self.args.max_staleness, position=self.position, auth_token=proxy.auth_token
             )

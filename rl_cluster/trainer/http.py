@@ -14,6 +14,7 @@ those run on the rollout worker's event loop, where this blocking client has no 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import requests
 
@@ -43,23 +44,30 @@ def describe(e: BaseException) -> str:
 
 
 class HttpClient:
-    """Calls to one server. `retry`: the bound on tries of one call (None: one try, errors as they come);
-    `retryable`: which errors are worth another (`unreachable`, `no_answer`, or the caller's own)."""
+    """Calls to one server. `base_url`: its URL, or a function that says where it is now (each try asks
+    it: the proxy may move, see rl_cluster.trainer.proxy_client.ProxyAddress). `retry`: the bound on tries
+    of one call (None: one try, errors as they come); `retryable`: which errors are worth another
+    (`unreachable`, `no_answer`, or the caller's own)."""
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Callable[[], str],
         token: str | None = None,
         *,
         timeout_s: float = 600.0,
         retry: RetryPolicy | None = None,
         retryable: Retryable = unreachable,
     ):
-        self.base_url = base_url.rstrip("/")
+        self._where = base_url
         self.headers = bearer_headers(token)
         self.timeout_s = timeout_s
         self.retry = retry
         self.retryable = retryable
+
+    @property
+    def base_url(self) -> str:
+        where = self._where
+        return (where if isinstance(where, str) else where()).rstrip("/")
 
     def __repr__(self) -> str:
         return f"HttpClient({self.base_url!r})"
@@ -70,18 +78,27 @@ class HttpClient:
         """`method base_url+route` with the token, under the client's retries; `kwargs` go to requests
         (json=...). rl_cluster.core.retry.RetriesExhausted (its `last` is the last error) when the retries
         ran out."""
-        url = f"{self.base_url}{route}"
 
         def once() -> requests.Response:
             response = requests.request(
-                method, url, headers=self.headers, timeout=timeout_s or self.timeout_s, **kwargs
+                method,
+                f"{self.base_url}{route}",
+                headers=self.headers,
+                timeout=timeout_s or self.timeout_s,
+                **kwargs,
             )
             response.raise_for_status()
             return response
 
         def warn(e: Exception, attempt: int, delay: float) -> None:
             logger.warning(
-                "%s %s: %s; trying again in %.0f s (attempt %d)", method, url, describe(e), delay, attempt
+                "%s %s%s: %s; trying again in %.0f s (attempt %d)",
+                method,
+                self.base_url,
+                route,
+                describe(e),
+                delay,
+                attempt,
             )
 
         if self.retry is None:

@@ -7,11 +7,15 @@ start-up, /health, /server_info and /v1/models, through compat's AuthorizedVLLMC
 The proxy answers a load within proxy.load_timeout_s, below this client's timeout. Should the answer
 still be lost to a timeout (a proxy stalled, a network that dropped it), the client asks the proxy
 whether the version is routable before it fails the sync: the load may have succeeded.
+
+Where the proxy is: `ProxyAddress`, which rank 0 moves when the proxy's actor says it serves elsewhere
+(Ray restarted it on another `proxy` node); every try of a call reads it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import requests
 
@@ -26,10 +30,32 @@ class ProxyControlError(RuntimeError):
     pass
 
 
+class ProxyAddress:
+    """The proxy's base URL as the trainer last heard it, read by each try of its clients' calls (a
+    callable: HttpClient's `base_url`). `followers` hear each move (the rollout child's shared copy)."""
+
+    def __init__(self, url: str):
+        self._url = url.rstrip("/")
+        self.followers: list[Callable[[str], None]] = []
+
+    def __call__(self) -> str:
+        return self._url
+
+    def move(self, url: str) -> bool:
+        """The proxy serves at `url` now; False when that is where it was."""
+        url = url.rstrip("/")
+        if url == self._url:
+            return False
+        self._url = url
+        for follower in self.followers:
+            follower(url)
+        return True
+
+
 class ProxyClient:
     def __init__(
         self,
-        url: str,
+        url: str | ProxyAddress,
         auth_token: str | None = None,
         timeout_s: float = TRAINER_CONTROL_TIMEOUT_S,
         reconnect_s: float = 180.0,
@@ -37,18 +63,23 @@ class ProxyClient:
         """`reconnect_s`: how long a call keeps trying while the proxy does not answer at all (Ray
         restarts a proxy whose process died, on the same address: proxy.max_restarts). Only an unreachable
         proxy is retried: loads are safe to repeat (the proxy answers a load of a name it holds from the
-        same path with success), but a proxy that answered has decided."""
+        same path with success), but a proxy that answered has decided. `url`: a ProxyAddress follows
+        the proxy where it moves."""
+        self.address = url if isinstance(url, ProxyAddress) else ProxyAddress(url)
         self.http = HttpClient(
-            url,
+            self.address,
             auth_token,
             timeout_s=timeout_s,
             retry=RetryPolicy(deadline_s=reconnect_s, first_delay_s=1.0, max_delay_s=10.0),
             retryable=unreachable,
         )
-        self.url = self.http.base_url
         self.auth_token = auth_token  # also what the rollout loop and the eval send (compat item 19)
         self.reconnect_s = reconnect_s
         self.timeout_s = timeout_s
+
+    @property
+    def url(self) -> str:
+        return self.http.base_url
 
     def _request(self, method: str, route: str, **kwargs) -> requests.Response:
         try:

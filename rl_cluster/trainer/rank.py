@@ -36,7 +36,7 @@ from rl_cluster.trainer.checkpoints import (
     restart_fault,
     resume_line,
 )
-from rl_cluster.trainer.proxy_client import ProxyClient
+from rl_cluster.trainer.proxy_client import ProxyAddress, ProxyClient
 from rl_cluster.trainer.records import Orders, RankHello, RankStart
 from rl_cluster.trainer.task import load_prompts
 
@@ -49,6 +49,7 @@ TRAINING_STACK = (
 )
 ORDERS_EVERY_S = 1.0  # how often a rank asks the coordinator for a stop and the lease's news
 CALL_TIMEOUT_S = 60.0  # a coordinator that does not answer a report in this long is gone (its node frozen)
+PROXY_EVERY_S = 2.0  # how often rank 0 asks the proxy's actor where it serves
 
 
 def rank_main(loop_config: dict) -> None:
@@ -73,7 +74,7 @@ def rank_main(loop_config: dict) -> None:
     while start is None:  # until the driver asks the coordinator to train (its generators serve then)
         start = ray.get(coordinator.rank_go.remote(imported))
     try:
-        Rank(loop_config["config"], loop_config["proxy_url"], coordinator, start, hello).train()
+        Rank(loop_config["config"], loop_config["proxy"], coordinator, start, hello).train()
     except Exception as e:
         traceback.print_exc()
         # The other ranks wait for this one in a collective: the coordinator ends the gang's run.
@@ -90,13 +91,13 @@ class Rank:
     """Every rank builds TRL's trainer and joins its collectives (the step's gradients, the adapter's
     save, the stop); rank 0 alone pulls the rollouts and does the I/O and the reports."""
 
-    def __init__(self, config: RunConfig, proxy_url: str, coordinator, start: RankStart, hello: RankHello):
+    def __init__(self, config: RunConfig, proxy, coordinator, start: RankStart, hello: RankHello):
+        """`proxy`: the run's proxy actor, which says where it serves (rank 0 follows it when it moves)."""
         os.environ.update(start.environment)
         self.config, self.coordinator, self.start, self.hello = config, coordinator, start, hello
         self.main = hello.rank == 0
-        configured = config.proxy.auth_token
-        token = start.proxy_token or (configured.get_secret_value() if configured else None)
-        self.proxy = ProxyClient(proxy_url, token)
+        self.proxy_actor = proxy
+        self.proxy: ProxyClient | None = None  # once training begins (where the proxy serves then)
         self.bucket = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url)
         self.fence = WriteFence(  # before each write
             margin_s=LEASE_TTL_S / 4, first_news_s=LEASE_TTL_S / 2, on_refused=self._fenced
@@ -237,6 +238,10 @@ class Rank:
         self._base_fingerprint = model_fingerprint(model_dir)
         checkpoint, resumed_from_step = self._resume_point()
         dataset = load_prompts(c)
+        token = self.start.proxy_token or (
+            c.proxy.auth_token.get_secret_value() if c.proxy.auth_token else None
+        )
+        self.proxy = ProxyClient(ProxyAddress(proxy_address(self.proxy_actor)), token)
         self._build_trainer(model_dir, dataset)
         if not self.main:
             train_to_max_steps(self.trainer, checkpoint)  # rank 0 tells when it stops, and what
@@ -244,6 +249,8 @@ class Rank:
         self._training.set()
         orders = threading.Thread(target=self._follow_orders, name="trainer-orders", daemon=True)
         orders.start()
+        follow = (self.proxy_actor, self.proxy.address, self._training)
+        threading.Thread(target=follow_proxy, args=follow, name="trainer-proxy", daemon=True).start()
         self._tell("rank_training")
         try:
             if train_to_max_steps(self.trainer, checkpoint) is None:
@@ -319,6 +326,31 @@ class Rank:
         self._check_prompt_ids = self.trainer.processing_class.apply_chat_template(
             dataset[0]["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
         )
+
+
+def proxy_address(proxy, wait_s: float = 180.0) -> str:
+    """Where the proxy serves, asked of its actor; waits (bounded) while Ray restarts it and the pool
+    controller restores it, as the control calls wait for a proxy that does not answer."""
+    deadline = time.monotonic() + wait_s
+    while (url := ray.get(proxy.address.remote(), timeout=wait_s)) is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the run's proxy did not serve within {wait_s:g} s (Ray restarted it)")
+        time.sleep(1.0)
+    return url
+
+
+def follow_proxy(proxy, address: ProxyAddress, training: threading.Event) -> None:
+    """Rank 0, on its own thread while training: where the proxy's actor says it serves. Ray restarts a
+    proxy whose node was lost on another `proxy` node, at that node's address; the control calls, the eval
+    and the rollout child (through its position) go there from their next try."""
+    while training.is_set():
+        try:
+            url = ray.get(proxy.address.remote(), timeout=CALL_TIMEOUT_S)
+        except Exception:  # gone for now (Ray restarts it; its calls wait for that): ask again
+            url = None
+        if url is not None and address.move(url):
+            print(f"trainer: the proxy serves on {url} now; following it there", flush=True)
+        time.sleep(PROXY_EVERY_S)
 
 
 def train_controller():

@@ -31,26 +31,45 @@ ADMISSION_POLL_S = 0.02
 
 
 class TrainerPosition:
-    """Counters the trainer and its rollout child share (items 10, 12), each written by one side only:
-    samples the trainer pulled, the admission limit it sets at each sync (both trainer), and groups the
-    child scored or saw fail (child)."""
+    """What the trainer and its rollout child share (items 10, 12), each written by one side only:
+    samples the trainer pulled, the admission limit it sets at each sync (both trainer), groups the child
+    scored or saw fail (child), and where the proxy serves (trainer: it follows a proxy Ray moved, and
+    the child sends its requests there)."""
 
     PULLED, LIMIT, SCORED, FAILED = range(4)
+    URL_BYTES = 512
 
-    def __init__(self, ctx, limit: int):
+    def __init__(self, ctx, limit: int, proxy_url: str = ""):
         self._values = ctx.Array("q", 4, lock=False)  # one writer per slot: no lock needed
         self._values[self.LIMIT] = limit
+        # Locked: a URL is many bytes, and the child must not read one half written.
+        self._url = ctx.Array("c", self.URL_BYTES)
+        self.follow_proxy(proxy_url)
 
     @classmethod
-    def _attached(cls, values) -> TrainerPosition:
+    def _attached(cls, values, url) -> TrainerPosition:
         position = cls.__new__(cls)
-        position._values = values
+        position._values, position._url = values, url
         return position
 
     def __reduce__(self):
         if multiprocessing.context.get_spawning_popen() is None:
             return (_PicklabilityProbe, ())  # TRL's early pickle check (item 12)
-        return (TrainerPosition._attached, (self._values,))
+        return (TrainerPosition._attached, (self._values, self._url))
+
+    @property
+    def proxy_url(self) -> str:
+        """Where the proxy serves, as the trainer last heard it ("": the loop's own URL)."""
+        with self._url.get_lock():
+            return self._url.value.decode()
+
+    def follow_proxy(self, url: str) -> None:
+        """The proxy serves at `url` now (a ProxyAddress follower)."""
+        encoded = url.encode()
+        if len(encoded) >= self.URL_BYTES:
+            raise ValueError(f"a proxy URL of {len(encoded)} bytes: at most {self.URL_BYTES - 1}")
+        with self._url.get_lock():
+            self._url.value = encoded
 
     def __getitem__(self, slot: int) -> int:
         return self._values[slot]
@@ -126,11 +145,12 @@ class GroupPinnedRolloutLoop(_AsyncRolloutLoop):
         # retries stay TRL's `_retry` (not rl_cluster.core.retry): the loop's other calls go through it too,
         # and it counts them in rollout/vllm_retry_total.
         client_timeout = aiohttp.ClientTimeout(total=timeout)
-        url = f"{self.vllm_server_url}{path}"
 
         async def _do_post():
+            # Each try asks where the proxy is: the trainer moves it when Ray restarted the proxy elsewhere.
+            base = (self.position.proxy_url if self.position is not None else "") or self.vllm_server_url
             async with self.session.post(
-                url, json=payload, timeout=client_timeout, headers=self.auth_headers
+                f"{base}{path}", json=payload, timeout=client_timeout, headers=self.auth_headers
             ) as r:
                 r.raise_for_status()
                 return await r.json() or {}

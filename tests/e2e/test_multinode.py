@@ -1,9 +1,9 @@
-"""The system on a cluster whose nodes have their own addresses: a head (driver + proxy), a `trainer` node
-and two `generator` nodes, each a network namespace with its own loopback (tests/cluster/netns.py); spare
-generator nodes and a second trainer node join mid-run. The shortened demo goes in with `ray job submit`,
+"""The system on a cluster whose nodes have their own addresses: a head (the driver), a `proxy` node, a
+`trainer` node and two `generator` nodes, each a network namespace with its own loopback
+(tests/cluster/netns.py); spare generator nodes, a second trainer node and a second proxy node join mid-run. The shortened demo goes in with `ray job submit`,
 as users launch it, with the base model given as a hub id resolved offline from a Hugging Face cache. A
-chaos run then finishes every step through what a cloud does to a run (killed engines, actors and proxy, a
-frozen vLLM, a node cut off the network, lost nodes, a preemption notice), and a third run goes through a
+chaos run then finishes every step through what a cloud does to a run (killed engines and actors, the
+proxy's node lost, a frozen vLLM, a node cut off the network, lost nodes, a preemption notice), and a third run goes through a
 killed trainer, `ray job stop`, a killed driver and `--resume`.
 
 While the first run trains, the test looks at it from another node, as an attacker on the network
@@ -39,10 +39,10 @@ REPO = Path(__file__).resolve().parents[2]
 # A trainer node holds two ranks (the resume run trains on two, the chaos run on one).
 NODES = {"head": {}, "trainer": {"trainer": 2}, "gen0": {"generator": 1}, "gen1": {"generator": 1},
          "spare": {"generator": 1}, "spare2": {"generator": 1}, "trainer2": {"trainer": 2},
-         "trainer3": {"trainer": 2}}  # fmt: skip
-# The first three join mid-run, in the chaos run; trainer3 before the resume run's last job, whose two ranks
-# span two trainer nodes.
-SPARE = ("spare", "spare2", "trainer2", "trainer3")
+         "trainer3": {"trainer": 2}, "proxy": {"proxy": 1}, "proxy2": {"proxy": 1}}  # fmt: skip
+# spare, spare2, trainer2 and proxy2 join mid-run, in the chaos run; trainer3 before the resume run's last
+# job, whose two ranks span two trainer nodes. The proxy runs on a node of its own (a `proxy` resource).
+SPARE = ("spare", "spare2", "trainer2", "trainer3", "proxy2")
 HUB_ID = "local/tiny-qwen2"
 UNRESPONSIVE_S = 20  # trainer.unresponsive_timeout_s of the resume run, whose rank 0 is SIGSTOPped
 # In the head's environment only, as a pod spec's secret would put them: the driver inherits them and hands
@@ -242,7 +242,7 @@ def look_from_other_nodes(cluster: NamespaceCluster, proxy_url: str, run: str) -
         assert all(environ(pid).get("HF_TOKEN") == HEAD_SECRETS["HF_TOKEN"] for pid in pids), node
     trainer_envs = [environ(pid) for pid in cluster.pids()["trainer"] if Path(f"/proc/{pid}").exists()]
     assert any(e.get("WANDB_API_KEY") == HEAD_SECRETS["WANDB_API_KEY"] for e in trainer_envs)
-    assert proxy_url.startswith(f"http://{cluster.addresses['head']}:"), proxy_url
+    assert proxy_url.startswith(f"http://{cluster.addresses['proxy']}:"), proxy_url  # its own node
     # From another node: every proxy route but /health and /metrics demands the run's token, generation too.
     guarded = [("POST", "/pause"), ("POST", "/resume"), ("POST", "/v1/load_lora_adapter"),
                ("POST", "/v1/unload_lora_adapter"), ("GET", "/replicas"), ("POST", "/v1/completions"),
@@ -259,12 +259,12 @@ def look_from_other_nodes(cluster: NamespaceCluster, proxy_url: str, run: str) -
         time.sleep(5)
     assert expected <= set(found), sorted(expected - set(found))
     assert set(found["ray_rl_trainer_step"]) == {"trainer"} and found["ray_rl_trainer_step"]["trainer"] >= 1
-    assert set(found["ray_rl_proxy_in_flight"]) == {"head"}
+    assert set(found["ray_rl_proxy_in_flight"]) == {"proxy"}
     assert set(found["ray_rl_generator_up"]) == {"gen0", "gen1"}, found["ray_rl_generator_up"]
     assert all(v == 1 for v in found["ray_rl_generator_up"].values())
     assert found["ray_rl_generator_adapters_loaded"]["gen0"] >= 1
     assert found["ray_rl_trainer_staleness_count"]["trainer"] >= 8  # every pulled sample observed
-    assert found["ray_rl_proxy_requests_total"]["head"] > 0
+    assert found["ray_rl_proxy_requests_total"]["proxy"] > 0
     return [key for _, key in servers.values()]
 
 
@@ -386,7 +386,8 @@ def test_a_four_node_job_trains_through_what_a_cloud_does_to_it(cluster, hub_env
     Then it is dealt a schedule of faults; each phase waits until the run recovered from the one before:
     (1) g0's engine core SIGKILLed, and g1's vLLM SIGSTOPped for 60 s, at once (no replica serves for a
         while: the proxy holds the requests); each generator restarts its server.
-    (2) the proxy's process SIGKILLed: Ray restarts it, the pool controller restores it.
+    (2) the proxy's node lost: Ray restarts the proxy on the other `proxy` node, at that node's address;
+        the pool controller restores it there, and the trainer and its rollout process follow it.
     (3) at once: g0's generator actor SIGKILLed (Ray restarts it on its node), g1's node cut off the network
         for 30 s (its link down: nothing refused, nothing answers), and the trainer's node lost (Ray restarts
         the trainer on the second trainer node, which resumes from the newest checkpoint).
@@ -448,12 +449,16 @@ def test_a_four_node_job_trains_through_what_a_cloud_does_to_it(cluster, hub_env
             os.kill(pid, signal.SIGCONT)
     trains_on(logged)
 
-    # (2) the proxy killed
+    # (2) the proxy's node lost (a process killed, restarted in place, is test_s3_run's)
+    cluster.join("proxy2")
     logged, t0 = mark()
-    (proxy_pid,) = pids_running(cluster, "head", b"ray::ProxyActor")
-    os.kill(proxy_pid, signal.SIGKILL)
-    wait_for_log(cluster, job, r"proxy restarted by Ray: serving again on", 300, logged)
-    took["proxy killed"] = time.monotonic() - t0
+    assert cluster.lose("proxy")
+    moved = re.escape(f"http://{cluster.addresses['proxy2']}:")
+    wait_for_log(cluster, job, rf"proxy restarted by Ray: serving again on {moved}", 300, logged)
+    wait_for_log(
+        cluster, job, rf"trainer: the proxy serves on {moved}\d+ now; following it there", 120, logged
+    )
+    took["proxy's node lost"] = time.monotonic() - t0
     trains_on(logged)
 
     # (3) a generator actor killed, a node cut off for 30 s, and the trainer's node lost, at once
@@ -519,6 +524,7 @@ def test_a_four_node_job_trains_through_what_a_cloud_does_to_it(cluster, hub_env
     assert summary["served_check"]["match"] >= 1 and summary["served_check"]["mismatch"] == 0, summary
     assert (summary["trainer_restarts"], summary["proxy_restarts"]) == (1, 1), summary
     assert summary["placement"]["trainer"]["address"] == cluster.addresses["trainer2"], summary["placement"]
+    assert summary["placement"]["proxy"]["address"] == cluster.addresses["proxy2"], summary["placement"]
     # Each replica's places, and what ended each.
     history = {g: [(s["address"], s["ended_by"] and s["ended_by"].split(" (")[0]) for s in lives]
                for g, lives in summary["placement_history"].items()}  # fmt: skip

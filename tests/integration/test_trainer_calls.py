@@ -88,7 +88,7 @@ async def test_a_new_trainer_actor_starts_its_rank_which_imports_its_training_st
         return list(trainer.imported), os.getpid()
 
     config = tiny_run_config("warm", tmp_path / "no-model-needed", tmp_path)
-    trainer = trainer_actor(config, "http://127.0.0.1:9", RunSecrets())
+    trainer = trainer_actor(config, None, RunSecrets())  # trains on no proxy
     try:
         where = await asyncio.wait_for(trainer.placement.remote(), 300)
         deadline = time.monotonic() + 300
@@ -117,7 +117,7 @@ async def test_the_driver_is_answered_while_run_and_a_run_asked_again_hold_the_t
         time.sleep(600)
 
     config = tiny_run_config("held", tmp_path / "no-model-needed", tmp_path)
-    trainer = trainer_actor_class().options(num_cpus=0).remote(config, "http://127.0.0.1:9")
+    trainer = trainer_actor_class().options(num_cpus=0).remote(config, None)  # trains on no proxy
     started = tmp_path / "started"
     try:
         held = [trainer.__ray_call__.remote(_hold, str(started)) for _ in range(2)]
@@ -147,7 +147,7 @@ async def test_an_error_of_the_training_fails_the_run_once_and_is_no_reason_to_r
     from rl_cluster.trainer_calls import trainer_actor
 
     config = tiny_run_config("broken", tmp_path / "no-model-here", tmp_path)
-    trainer = trainer_actor(config, "http://127.0.0.1:9", RunSecrets())
+    trainer = trainer_actor(config, None, RunSecrets())  # trains on no proxy
     try:
         await asyncio.wait_for(trainer.lease_news.remote(valid_for_s=60.0), 30)
         with pytest.raises(ray.exceptions.RayTaskError) as failed:
@@ -160,3 +160,39 @@ async def test_an_error_of_the_training_fails_the_run_once_and_is_no_reason_to_r
         assert report["trainer_restarts"] == 0 and len(report["ranks"]) == 1, report
     finally:
         ray.kill(trainer)
+
+
+async def test_the_proxy_says_where_it_serves_once_it_does_and_again_once_restored(local_ray):
+    """What the trainer follows: the proxy actor's address() is None until it serves; a proxy Ray restarted
+    (here its process SIGKILLed; on a lost node, on another `proxy` node at a new address) says None until
+    the pool controller restored it, and the rank's proxy_address waits for that (bounded)."""
+    import urllib.parse
+
+    from rl_cluster.config import ProxyConfig
+    from rl_cluster.proxy.actor import ProxyActor
+    from rl_cluster.trainer.rank import proxy_address
+
+    def pid(proxy) -> int:  # in the actor (travels by value)
+        import os
+
+        return os.getpid()
+
+    proxy = ProxyActor.options(num_cpus=0, max_restarts=1, max_task_retries=-1).remote(ProxyConfig())
+    try:
+        assert await asyncio.wait_for(proxy.address.remote(), 60) is None  # not started
+        url = await asyncio.wait_for(proxy.start.remote(), 60)
+        assert await proxy.address.remote() == url
+        os.kill(await proxy.__ray_call__.remote(pid), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not await asyncio.wait_for(proxy.awaiting_restore.remote(), 60):  # Ray restarted it
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.5)
+        assert await proxy.address.remote() is None
+        waiting = asyncio.ensure_future(asyncio.to_thread(proxy_address, proxy, 60.0))
+        await asyncio.sleep(2.0)
+        assert not waiting.done()  # a rank starting now waits for the restore
+        restored = await asyncio.wait_for(proxy.restore.remote(urllib.parse.urlsplit(url).port, {}), 60)
+        assert restored == url and await asyncio.wait_for(waiting, 30) == url
+        assert await proxy.address.remote() == url
+    finally:
+        ray.kill(proxy)

@@ -375,12 +375,19 @@ def test_accelerate_drops_fsdp_on_cpu_and_the_check_computes_on_the_shards_in_lo
 def _read_position(position, out):
     out.put((position[rollout.TrainerPosition.LIMIT], position[rollout.TrainerPosition.PULLED]))
     position.add(rollout.TrainerPosition.SCORED, 5)
+    first = position.proxy_url
+    out.put(first)
+    deadline = time.monotonic() + 30
+    while position.proxy_url == first and time.monotonic() < deadline:  # until the parent moves it
+        time.sleep(0.01)
+    out.put(position.proxy_url)
 
 
 def test_trls_pickle_check_refuses_shared_arrays_and_position_travels_to_a_spawned_child():
     """Item 12: TRL's worker pickles the loop kwargs before it spawns the child, to catch lambdas; a
     multiprocessing array cannot be pickled outside spawning, so TRL refuses to start. TrainerPosition
-    passes the check and still reaches the spawned child as shared memory, both ways."""
+    passes the check and still reaches the spawned child as shared memory, both ways; the proxy's URL
+    the trainer moves while the child runs reaches it too."""
     import pickle
 
     from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
@@ -391,16 +398,24 @@ def test_trls_pickle_check_refuses_shared_arrays_and_position_travels_to_a_spawn
         worker.start()
     assert worker._process is None  # refused before spawning anything
 
-    position = rollout.TrainerPosition(ctx, limit=96)
+    position = rollout.TrainerPosition(ctx, limit=96, proxy_url="http://10.0.0.1:8000")
     pickle.dumps({"position": position})  # TRL's check
     position.add(rollout.TrainerPosition.PULLED, 7)
     out = ctx.Queue()
     child = ctx.Process(target=_read_position, args=(position, out))
     child.start()
-    child.join(60)
-    assert child.exitcode == 0
-    assert out.get(timeout=5) == (96, 7)
-    assert position[rollout.TrainerPosition.SCORED] == 5
+    try:
+        assert out.get(timeout=60) == (96, 7)
+        assert out.get(timeout=30) == "http://10.0.0.1:8000"
+        position.follow_proxy("http://10.0.0.2:8000")
+        assert out.get(timeout=30) == "http://10.0.0.2:8000"
+        child.join(30)
+        assert child.exitcode == 0
+        assert position[rollout.TrainerPosition.SCORED] == 5
+    finally:
+        child.kill()
+    with pytest.raises(ValueError, match="at most 511"):
+        position.follow_proxy("http://" + "a" * 600)
 
 
 @pytest.mark.parametrize("cancel", [False, True])

@@ -5,14 +5,18 @@ groups as fast as slots free up; GroupPinnedRolloutLoop admits them under the tr
 
 The loops are TRL's real `_AsyncRolloutLoop` (and our subclass) on the tiny model's tokenizer; only the
 HTTP post to the server is replaced, by a function that records the requested adapter and answers at
-once: a pure test of the loop's request naming, no vLLM involved."""
+once: a pure test of the loop's request naming, no vLLM involved. One test keeps the loop's own post,
+against two stub servers: where it sends its requests when the proxy moves."""
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
 
+import aiohttp
 import pytest
+from aiohttp import web
+from conftest import free_port
 from datasets import Dataset
 from transformers import AutoTokenizer
 from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
@@ -175,3 +179,51 @@ def test_reward_functions_learn_which_completions_were_cut_off(tiny_model_dir):
     pairs = [pair for group in TRUNCATION_SEEN for pair in group]
     assert {truncated for truncated, _ in pairs} == {False, True}  # both kinds were generated
     assert all(truncated == (last != eos) for truncated, last in pairs), pairs
+
+
+async def _stub(name: str, heard: list) -> tuple[web.AppRunner, str]:
+    """A server that answers every completion with one token and records who heard it."""
+
+    async def completions(request: web.Request) -> web.Response:
+        heard.append(name)
+        return web.json_response({"choices": [{"token_ids": [7], "logprobs": {"token_logprobs": [-0.1]}}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def test_the_loop_posts_where_the_position_says_the_proxy_is_from_its_next_try(tiny_model_dir):
+    """Ray restarts a proxy whose node was lost on another node, at a new address; the trainer moves the
+    position's URL (rl_cluster.trainer.rank's proxy follower), and the child's next try of a post goes
+    there. Here the first try meets a closed port (the lost node) and the move comes during TRL's retry
+    delay: the post succeeds at the new address. The loop's own URL serves while the position has none."""
+
+    async def main() -> list:
+        heard: list[str] = []
+        first, first_url = await _stub("first", heard)
+        moved, moved_url = await _stub("moved", heard)
+        position = TrainerPosition(mp.get_context("spawn"), limit=8 * G)
+        loop, _ = rollout_loop(GroupPinnedRolloutLoop, tiny_model_dir, pinned_window=2, position=position,
+                               vllm_server_url=first_url)  # fmt: skip
+        del loop._post  # the loop's own post, to the stubs
+        body = {"model": "run-v1", "prompt": [1, 2], "max_tokens": 1}
+        try:
+            async with aiohttp.ClientSession() as loop.session:
+                await loop._post("/v1/completions", body, timeout=10)
+                position.follow_proxy(f"http://127.0.0.1:{free_port()}")  # nothing there: the lost node
+                post = asyncio.ensure_future(loop._post("/v1/completions", body, timeout=10))
+                await asyncio.sleep(0.3)  # the first try failed; TRL waits 1 s before the next
+                position.follow_proxy(moved_url)
+                await post
+        finally:
+            await first.cleanup()
+            await moved.cleanup()
+        assert loop._counters["rollout/vllm_retry_total"] >= 1  # the try at the lost address failed
+        return heard
+
+    assert asyncio.run(main()) == ["first", "moved"]

@@ -48,6 +48,20 @@ def test_a_replica_serving_the_base_model_or_an_older_version_is_a_mismatch(roun
     assert "g1 does not serve run-v7" in banner and "It matches the v3" in banner
 
 
+def test_in_fp32_another_kernels_rounding_a_few_floors_off_is_no_mismatch():
+    """Measured in a chaos run: vLLM's fp32 served the right adapter at 9.9e-7 per token from the exact
+    logprobs, 5.3 of the trainer's own floors (1.9e-7): a check judges against at least MIN_FLOOR per
+    token. A wrong adapter, even one 0.03 per token off, is still a mismatch."""
+    rounded = noisy(EXACT, 2.4e-7, 8)  # a floor of ~1.9e-7, as the trainer measured it
+    served = noisy(EXACT, 1.24e-6, 9)  # ~9.9e-7 per token from the exact logprobs
+    check = judge("g0", served, EXACT, EXACT, rounded, {"base": shifted(EXACT, 0.5)}, 4.0)
+    assert check.distance / check.floor > 4  # beyond 4 floors: a mismatch against the floor alone
+    assert check.verdict is Verdict.MATCH, check
+    older = shifted(EXACT, 0.03)
+    check = judge("g0", noisy(older, 1.24e-6, 9), EXACT, EXACT, rounded, {"v1": older}, 4.0)
+    assert check.verdict is Verdict.MISMATCH, check
+
+
 def test_versions_closer_than_the_rounding_floor_are_too_close_to_tell():
     rounding = 1e-2
     older = shifted(EXACT, 0.03)  # < 2 x 4 floors of ~8e-3 each

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 from http.server import BaseHTTPRequestHandler
 
 import pytest
@@ -94,6 +95,32 @@ def test_the_proxy_client_turns_a_refusal_and_an_outage_into_proxy_control_error
     # reconnect_s shorter than the first wait (1 s): one try, then the error that names the outage
     with pytest.raises(ProxyControlError, match=r"unreachable for 0 s \(/v1/unload_lora_adapter\)"):
         ProxyClient(f"http://127.0.0.1:{port}", reconnect_s=0.5).unload_adapter("run-v2")
+
+
+def test_the_proxy_client_follows_its_address_between_tries(stub):
+    """The proxy's node was lost: its old address answers nothing, and rank 0 moves the ProxyAddress
+    when the proxy's actor says where Ray restarted it. A call under way goes there from its next try;
+    the trainer's followers hear each move once."""
+    from rl_cluster.trainer.proxy_client import ProxyAddress, ProxyClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        lost = f"http://127.0.0.1:{s.getsockname()[1]}"
+    address, heard = ProxyAddress(lost), []
+    address.followers.append(heard.append)
+    client = ProxyClient(address, "t", reconnect_s=30)
+    _Stub.statuses = [200]
+    mover = threading.Timer(0.3, address.move, args=(stub,))  # during the first wait (1 s)
+    mover.start()
+    try:
+        client.unload_adapter("run-v2")
+    finally:
+        mover.cancel()
+    assert _Stub.seen == [{"path": "/v1/unload_lora_adapter", "auth": "Bearer t", "lora_name": "run-v2"}]
+    moved = stub.rstrip("/")
+    assert client.url == moved and heard == [moved]
+    assert not address.move(moved)  # where it is already: no news for the followers
+    assert heard == [moved]
 
 
 class _NoModel:
