@@ -29,10 +29,12 @@ import ray
 from rl_cluster.bucket import Bucket
 from rl_cluster.config import RunConfig
 from rl_cluster.connection import proxy_options
+from rl_cluster.core.names import NAMESPACE, generator_actor_name
 from rl_cluster.core.replica_history import ACTOR_DIED, NODE_LOST, REMOVED, ReplicaHistory
 from rl_cluster.credentials import RunSecrets
 from rl_cluster.generator.actor import GeneratorActor
-from rl_cluster.proxy.actor import ProxyActor, generator_actor_name
+from rl_cluster.pool_state import stop_generators
+from rl_cluster.proxy.actor import ProxyActor
 from rl_cluster.proxy.replica import Member
 
 
@@ -236,6 +238,9 @@ class Cluster:
             if actor is not None:
                 with contextlib.suppress(Exception):
                     ray.kill(actor)
+        # Detached: also any this copy does not know (started by a pool controller that died for good).
+        with contextlib.suppress(Exception):
+            await stop_generators(self.config.run_name)
 
 
 def draining_nodes() -> dict[str, float | None]:
@@ -251,6 +256,12 @@ def generator_actor(cluster: Cluster, replica_id: str):
     config = cluster.config
     return GeneratorActor.options(
         name=generator_actor_name(config.run_name, replica_id),
+        namespace=NAMESPACE,
+        # Not a child of whoever starts it (an actor's children die with it): the pool controller, which
+        # starts most of them, may die and be restarted by Ray; it then takes them over by name. The driver
+        # stops them by name when the run ends, and a generator whose run's proxy is gone for good ends
+        # itself (rl_cluster.pool_state, rl_cluster.generator.run_watch).
+        lifetime="detached",
         # A generator actor that dies (its process crashed, its node went) is restarted by Ray, and the
         # pool controller starts its server again (Cluster.revive); calls in flight then fail, not repeat.
         max_restarts=config.generator.max_restarts,
@@ -285,6 +296,10 @@ async def start_proxy(
     config: RunConfig, log_dir: str, secrets: RunSecrets | None = None, loopback: bool = True
 ) -> Cluster:
     """The run's cluster with its proxy serving and no generator yet (`launch` adds them)."""
+    # A driver of this run that was killed left its generators (detached actors) running: stopped first
+    # (under the run's lease, for a training run), as new ones get their names.
+    if left := await stop_generators(config.run_name):
+        print(f"run {config.run_name}: stopped generators {left} an earlier driver left running", flush=True)
     secrets = secrets or RunSecrets()
     # The proxy refuses adapter paths outside the bucket before any replica sees them.
     adapter_root = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url).uri

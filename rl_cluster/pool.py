@@ -37,6 +37,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rl_cluster.cluster import draining_nodes
 from rl_cluster.config import GeneratorConfig
+from rl_cluster.core.names import NAMESPACE, pool_actor_name
 from rl_cluster.core.replacement import Replacements, evacuation
 from rl_cluster.core.replica_history import NODE_DRAINED, REMOVED
 from rl_cluster.core.scaling import (
@@ -47,22 +48,16 @@ from rl_cluster.core.scaling import (
     ScalingRules,
     snapshot,
 )
+from rl_cluster.pool_state import RecordKeeper, Restarts, Succession
 
 logger = logging.getLogger(__name__)
 
-# Named actors live in a namespace; a driver gets an anonymous one unless it names one, so the pool is
-# registered under a fixed one that `jobs/scale.py` (another driver) can look in.
-NAMESPACE = "rl_cluster"
 FIRST_REQUEST_POLL_S = 0.25
 # A new replica that gets no request for a while (a pool with no clients: `serve` idle) is watched less
 # often, then no more: each scale-out's watch would otherwise ask the proxy 4 times a second for ever.
 FIRST_REQUEST_FINE_S = 60.0
 FIRST_REQUEST_COARSE_POLL_S = 5.0
 FIRST_REQUEST_MAX_S = 1800.0
-
-
-def pool_actor_name(run_name: str) -> str:
-    return f"{run_name}-pool"
 
 
 def rules_for(g: GeneratorConfig) -> ScalingRules:
@@ -106,9 +101,10 @@ async def discard(cluster, rid: str) -> None:
 
 
 class PoolController:
-    def __init__(self, cluster):
+    def __init__(self, cluster, keeper: RecordKeeper | None = None):
         """`cluster`: the run's rl_cluster.cluster.Cluster after launch (proxy and first generators up).
-        From here on this copy of it is the one whose generator set changes."""
+        From here on this copy of it is the one whose generator set changes. `keeper`: where its record is
+        kept for a successor (default: Ray's GCS, for this job)."""
         self.cluster = cluster
         self.g = cluster.config.generator
         self.policy = ScalingPolicy(rules_for(self.g))
@@ -122,10 +118,13 @@ class PoolController:
         self._loop: asyncio.Task | None = None
         self._watch: asyncio.Task | None = None  # the current look after the generators (_mend)
         self.proxy_restores = 0  # proxies Ray restarted that this controller handed the generators
+        self.restarts = 0  # of this controller, by Ray (its process died)
+        self._succession = Succession(self, keeper)  # a restarted one takes its predecessor's place here
 
     # -- the actor's interface ----------------------------------------------------------------------
 
     async def start(self) -> None:
+        await self._succession.begin()
         self._loop = asyncio.get_running_loop().create_task(self._run())
 
     async def set_target(self, replicas: int | None) -> dict:
@@ -137,22 +136,19 @@ class PoolController:
         return await self.status()
 
     async def status(self) -> dict:
-        """Mode, bounds, replicas by condition, and every scale event so far."""
+        """Mode, bounds, replicas by condition, every scale event so far, and how often Ray restarted the
+        proxy and this controller."""
         stats = await self.cluster.proxy.stats.remote()
         snap, by_state = self._snapshot(stats)
         rules, target = self.policy.rules, self.policy.manual_target
         return {"mode": "automatic" if target is None else "manual", "target": target,
                 "min_replicas": rules.min_replicas, "max_replicas": rules.max_replicas, "size": snap.size,
-                **by_state, "events": await self.scale_events()}  # fmt: skip
+                **by_state, "events": await self.scale_events(),
+                "restarts": {"proxy": self.proxy_restores, "pool": self.restarts}}  # fmt: skip
 
-    async def pool_size(self) -> int:
-        """Replicas serving now: what generation throughput (and TRL's pipeline limits) can count on."""
-        stats = await self.cluster.proxy.stats.remote()
-        return len(self._snapshot(stats)[0].serving)
-
-    async def proxy_restarts(self) -> int:
-        """How often the proxy was restarted (and restored) so far: summary.json's proxy_restarts."""
-        return self.proxy_restores
+    async def restarts_so_far(self) -> Restarts:
+        """summary.json's proxy_restarts (each restored here) and pool_restarts (of this controller)."""
+        return Restarts(proxy=self.proxy_restores, pool=self.restarts)
 
     async def scale_events(self) -> list[dict]:
         return [event.as_dict() for event in self.events]
@@ -173,6 +169,7 @@ class PoolController:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._succession.end()
         return await self.members()
 
     # -- sampling and deciding ----------------------------------------------------------------------
@@ -191,6 +188,7 @@ class PoolController:
                     self.cluster.history.record("proxy", "proxy restarted by Ray", asked, time.time() - asked)
                 await self._evacuate_draining()
                 await self.step()
+                self._succession.keep()
             except Exception:
                 logger.exception("pool controller step failed")
             await asyncio.sleep(self.g.scale_interval_s)
@@ -363,6 +361,10 @@ async def start_pool(cluster) -> object:
         name=pool_actor_name(cluster.config.run_name),
         namespace=NAMESPACE,
         num_cpus=0,
+        # Its process may die (OOM-killed, a crash): Ray restarts it, and it takes the run's generators over
+        # (_take_over); calls made meanwhile wait for it.
+        max_restarts=-1,
+        max_task_retries=-1,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
     ).remote(cluster)
     await actor.start.remote()

@@ -22,6 +22,7 @@ import signal
 import time
 import traceback
 from collections.abc import Awaitable
+from dataclasses import astuple
 
 from rl_cluster.config import RunConfig
 from rl_cluster.core.summary import NEVER_DEDUPLICATED, exit_status, summarize, summary_table
@@ -223,6 +224,7 @@ async def _summarize_run(config: RunConfig, bucket, cluster, result: dict, statu
     """What the run did, from the trainer's record and the cluster's actors (each asked, bounded), written
     to the bucket as summary.json (and curves.png), also when the run stopped or failed."""
     from rl_cluster.plots import curves_png
+    from rl_cluster.pool_state import Restarts  # imported already (rl_cluster.pool): instant
 
     # After `ray job stop` the driver has seconds before Ray's SIGKILL (RAY_JOB_STOP_WAIT_TIME_S, 3 s by
     # default): summary.json is written first from the trainer's record and the proxy's stats, then again
@@ -234,17 +236,17 @@ async def _summarize_run(config: RunConfig, bucket, cluster, result: dict, statu
             # make summary.json's list wrong (CI saw it in the Ctrl-C'd chaos run).
             result = await _bounded(cluster.trainer.stop.remote(), result)
         stats = await _bounded(cluster.proxy.stats.remote(), {})
-    placement = cluster.placement if cluster else {}
-    summary = summarize(result, stats, wall_time_s, status=status, error=error, placement=placement)
+    summary = summarize(result, stats, wall_time_s, status=status, error=error,
+                        placement=cluster.placement if cluster else {})  # fmt: skip
     _write_summary(bucket, config, summary, result)
     if cluster is None:
         return summary
     pool, trainer = cluster.pool, cluster.trainer
-    restarts, reports, scale_events, proxy_restarts, trainer_at = await asyncio.gather(
+    restarts, reports, scale_events, actor_restarts, trainer_at = await asyncio.gather(
         _bounded(cluster.replica_restarts(), {}),
         _bounded(cluster.replica_reports(fresh=status == "finished"), {}),
         _bounded(pool.scale_events.remote(), []) if pool is not None else _now([]),
-        _bounded(pool.proxy_restarts.remote(), None) if pool is not None else _now(0),
+        _bounded(pool.restarts_so_far.remote(), None) if pool is not None else _now(Restarts(0, 0)),
         # Where the trainer is now: Ray may have restarted it on another node since the run began.
         _bounded(trainer.placement.remote(), None) if trainer is not None else _now(None),
     )
@@ -264,15 +266,14 @@ async def _summarize_run(config: RunConfig, bucket, cluster, result: dict, statu
     )
     summary["trainer_restarts"] = result.get("trainer_restarts")  # the gang's restarts by Ray Train
     summary["trainer_ranks"] = result.get("ranks")  # where each rank runs (address, node_id, pid)
-    summary["proxy_restarts"] = proxy_restarts
+    summary["proxy_restarts"], summary["pool_restarts"] = astuple(actor_restarts or Restarts(None, None))
     # The pool controller's record (the syncs above fetched it): where each replica ran, what it came through.
     summary["placement_history"] = cluster.history.placement_history()
     # With the trainer's own restarts (only a restarted trainer knows when it trained again), by time.
-    summary["faults"] = sorted(
-        cluster.history.fault_list() + result.get("faults", []), key=lambda f: f["time"]
-    )
+    faults = cluster.history.fault_list() + result.get("faults", [])
+    summary["faults"] = sorted(faults, key=lambda f: f["time"])
     _write_summary(bucket, config, summary, result)
-    if cluster is not None and cluster.trainer is not None:
+    if cluster.trainer is not None:
         await _bounded(cluster.trainer.finish.remote(summary), None)
     if result["history"] and bucket is not None:
         curves = curves_png(result["history"], config.run_name, evals=result.get("evals"))

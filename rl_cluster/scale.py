@@ -11,7 +11,7 @@ import time
 
 import ray
 
-from rl_cluster.pool import NAMESPACE, pool_actor_name
+from rl_cluster.core.names import NAMESPACE, pool_actor_name
 
 
 def connect_to_pool(run_name: str):

@@ -8,8 +8,8 @@ replica serves. Only then does vLLM see the path.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -24,17 +24,12 @@ from rl_cluster.core.manifest import split_adapter_dir_name
 from rl_cluster.core.restarts import RestartBudget
 from rl_cluster.core.telemetry import GENERATOR_METRICS, PrefixCacheCounts, vllm_gauges
 from rl_cluster.errors import ReplicaDown, ReplicaUnreachable
+from rl_cluster.generator.run_watch import end_with_the_run
 from rl_cluster.generator.server import ServerSpec, VLLMServer
 from rl_cluster.models import model_fingerprint, resolve_model
-from rl_cluster.nodes import node_placement
+from rl_cluster.nodes import node_placement, stable_port
 from rl_cluster.proxy.adapter_loader import HttpAdapterLoader
 from rl_cluster.telemetry import RayMetricSet
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def max_num_seqs(extra_args: list[str]) -> int | None:
@@ -61,7 +56,7 @@ def server_spec(config: RunConfig, model_dir: str, replica_index: int, host: str
     use_gpu = g.num_gpus > 0
     return ServerSpec(
         model=model_dir,
-        port=_free_port(host),
+        port=stable_port(host),
         host=host,
         dtype=model.dtype,
         max_model_len=model.max_model_len,
@@ -150,7 +145,9 @@ class Generator:
         self.last_unloaded: str | None = None
         self.restarts = RestartBudget(config.generator.max_restarts, config.generator.restart_backoff_s)
         self._supervisor: asyncio.Task | None = None
+        self._run_watch: asyncio.Task | None = None
         self._stopping = False
+        self.slot: int | None = None  # the replica_index its server was started with
         # A fresh actor has not begun start(): after Ray restarted a dead one, the run's pool controller
         # sees that (condition()) and starts it again, passing on the restarts of its earlier lives.
         self._began = False
@@ -163,7 +160,7 @@ class Generator:
         """Start vLLM, wait until healthy, register with `proxy` (which loads every live adapter version
         on it before routing to it), return the server's URL. `earlier_restarts`: the replica's restarts
         before this actor (a revived one) existed."""
-        self._began, self.earlier_restarts = True, earlier_restarts
+        self._began, self.earlier_restarts, self.slot = True, earlier_restarts, replica_index
         try:
             return await self._start(replica_index, proxy)
         except BaseException:
@@ -196,7 +193,7 @@ class Generator:
         last one was needed."""
         reasons = self.restarts.reasons
         return {"started": self._began, "spent": self.spent, "restarts": self.restart_count(),
-                "last_restart": reasons[-1] if reasons else None}  # fmt: skip
+                "last_restart": reasons[-1] if reasons else None, "slot": self.slot}  # fmt: skip
 
     async def _start(self, replica_index: int, proxy) -> str:
         model = self.config.model
@@ -213,6 +210,8 @@ class Generator:
             url, control, capacity, _ = self.membership()
             await proxy.add_replica.remote(self.replica_id, url, control, capacity)
             self.proxy = proxy
+            ends = end_with_the_run(proxy, self.replica_id, functools.partial(self.shutdown, leave=False))
+            self._run_watch = asyncio.get_running_loop().create_task(ends)
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
         return self.server.url
 
@@ -344,13 +343,15 @@ class Generator:
         trim_cache(self.config, Path(self.config.bucket.cache_dir) / self.replica_id, newest,
                    held=[*self.loaded, self.last_unloaded])  # fmt: skip
 
-    async def shutdown(self, drain_timeout_s: float = 30.0) -> None:
+    async def shutdown(self, drain_timeout_s: float = 30.0, leave: bool = True) -> None:
         """Leave the proxy (it stops routing here and waits, bounded, for in-flight requests), then stop
-        vLLM. Leaving first keeps the proxy from seeing a replica fail its health check."""
+        vLLM. Leaving first keeps the proxy from seeing a replica fail its health check. `leave` False: the
+        proxy is gone for good (rl_cluster.generator.run_watch)."""
         self._stopping = True
-        if self._supervisor is not None:
-            self._supervisor.cancel()
-        if self.proxy is not None:
+        for task in (self._supervisor, self._run_watch):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+        if self.proxy is not None and leave:
             try:
                 await self.proxy.remove_replica.remote(self.replica_id, drain_timeout_s)
             except Exception as e:  # a proxy that is gone already has nothing to drain

@@ -14,6 +14,7 @@ import ray
 from pydantic import SecretStr
 
 from rl_cluster.config import ProxyConfig
+from rl_cluster.core.names import NAMESPACE, generator_actor_name
 from rl_cluster.nodes import node_placement
 from rl_cluster.proxy.adapter_loader import AdapterLoader
 from rl_cluster.proxy.heap import freeze_startup_heap
@@ -22,12 +23,6 @@ from rl_cluster.proxy.replica import Member
 from rl_cluster.proxy.server import ProxyServer
 
 logger = logging.getLogger(__name__)
-
-
-def generator_actor_name(run_name: str, replica_id: str) -> str:
-    """The Ray name of a run's generator actor (rl_cluster.cluster names them so), by which the proxy
-    finds a replica it lost track of."""
-    return f"{run_name}-generator-{replica_id}"
 
 
 @ray.remote
@@ -99,7 +94,7 @@ class ProxyActor:
     async def _find_generator(self, replica_id: str) -> Member | None:
         """Where the replica serves, asked of its generator actor, found by name in this run."""
         name = generator_actor_name(self.run_name, replica_id)
-        actor = await asyncio.to_thread(ray.get_actor, name)  # a GCS lookup: off the event loop
+        actor = await asyncio.to_thread(ray.get_actor, name, NAMESPACE)  # a GCS lookup: off the event loop
         answer = await actor.membership.remote()
         return None if answer is None else Member(*answer)
 

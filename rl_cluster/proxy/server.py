@@ -27,6 +27,7 @@ from aiohttp import web
 from rl_cluster.config import ProxyConfig
 from rl_cluster.core.auth import bearer_headers
 from rl_cluster.generator.vllm_compat import CLIENT_KEEPALIVE_S
+from rl_cluster.nodes import stable_port
 from rl_cluster.proxy.adapter_loader import ADMIN_TIMEOUT, AdapterLoader, HttpAdapterLoader
 from rl_cluster.proxy.answers import Answer, error_response, no_active_replica, read_json, reply
 from rl_cluster.proxy.control import ControlRoutes
@@ -119,7 +120,9 @@ class ProxyServer:
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         bind = self.config.host or "127.0.0.1"  # unset: loopback (ProxyActor picks the node's address)
-        site = web.TCPSite(self._runner, bind, port if port is not None else self.config.port)
+        port = port if port is not None else self.config.port
+        # A port it may be restarted on (rl_cluster.nodes.stable_port).
+        site = web.TCPSite(self._runner, bind, port or stable_port(bind))
         await site.start()
         port = self._runner.addresses[0][1]
         host = bind if ":" not in bind else f"[{bind}]"

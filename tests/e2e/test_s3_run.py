@@ -1,9 +1,10 @@
 """A run through two faults on top of each other, end to end, against an s3:// bucket (moto on loopback).
 
 The run has one replica, so it cannot outrun the faults: while its vLLM engine is down, nothing is
-generated and training waits. Its engine process is SIGKILLed, and 3 s later, while its GeneratorActor
-restarts the server, the proxy's process too: Ray restarts the proxy on the same address, and the run's
-pool controller hands it the replica, which cannot answer yet. The proxy registers it out of routing (a
+generated and training waits. Its engine process is SIGKILLed with the run's pool controller, and 3 s
+later, while its GeneratorActor restarts the server, the proxy's process too: Ray restarts the pool
+controller, which takes the replica over by name (generators are detached actors), and the proxy on the
+same address, which the restarted controller hands the replica, which cannot answer yet. The proxy registers it out of routing (a
 restore once skipped such a replica for good, and with one replica the run then never trained again);
 when its server is back the replica rejoins, reloads every live version from its own verified local cache
 of the bucket, and takes traffic. The trainer's sync calls and its rollout requests are retried meanwhile,
@@ -80,10 +81,15 @@ def test_a_run_through_an_engine_kill_and_a_proxy_kill_on_an_s3_bucket(tmp_path,
             wait_for(log, rf"step +2/{STEPS}", run, timeout_s=900)
             before = last_step(log)
             proxy = the_runs_process(marker, b"ray::ProxyActor", 60)
+            pool = the_runs_process(marker, b"ray::PoolController", 60)
             os.kill(the_runs_process(marker, b"VLLM::EngineCore", 120), signal.SIGKILL)
+            os.kill(pool, signal.SIGKILL)  # the actor that restores a restarted proxy
             wait_for(log, r"replica g0: .*; restart 1/3 in", run, timeout_s=120)
             time.sleep(3)
             os.kill(proxy, signal.SIGKILL)  # while the replica's server restarts
+            # Ray restarted the pool controller: it found g0 by name (a detached actor: it did not die with its
+            # starter) and restored the proxy, which was killed while it was down.
+            wait_for(log, r"pool: restarted by Ray; took over \['g0'\]", run, timeout_s=180)
             wait_for(log, r"proxy restarted by Ray: serving again on \S+ with ", run, timeout_s=180)
             # The faults overlapped: the restore found the replica's server not answering yet.
             wait_for(log, r"replica g0 registered out of routing", run, timeout_s=60)
@@ -107,7 +113,8 @@ def test_a_run_through_an_engine_kill_and_a_proxy_kill_on_an_s3_bucket(tmp_path,
     assert summary["status"] == "finished"
     assert summary["steps"] == len(metrics) == STEPS
     assert summary["replica_restarts"] == {"g0": KILLS}, summary["replica_restarts"]
-    assert (summary["proxy_restarts"], summary["trainer_restarts"]) == (1, 0)
+    assert (summary["proxy_restarts"], summary["pool_restarts"], summary["trainer_restarts"]) == (1, 1, 0)
+    assert ("pool", "pool controller restarted by Ray") in {(f["who"], f["what"]) for f in summary["faults"]}
     # Lockstep, also across the crashes: each step trains on samples of the version published just before it.
     assert [m["staleness"] for m in metrics] == [0.0] * STEPS
     assert [m["policy_version"] for m in metrics] == list(range(2, STEPS + 2))

@@ -23,7 +23,7 @@ FLOORS = [
     # 2: the rooms, each a process kind (one may use another's pure helper, never its actor).
     "generator proxy trainer experience",
     # 3: placing and sizing the actors of a run.
-    "connection credentials cluster pool trainer_calls",
+    "connection credentials cluster pool pool_state trainer_calls",
     # 4: a run start to end, and the commands that start one.
     "run runs serve scale cli commands data.__main__ experience.__main__",
 ]

@@ -9,6 +9,7 @@ import asyncio
 from rl_cluster.config import load_config
 from rl_cluster.core.scaling import ScaleEvent
 from rl_cluster.pool import PoolController
+from rl_cluster.pool_state import RecordKeeper
 
 
 class Cluster:
@@ -39,7 +40,7 @@ async def settle(pool: PoolController) -> None:
 
 async def test_a_restarted_generator_is_started_again_and_a_spent_one_leaves():
     cluster = Cluster(restarted=["g0"], spent=["g2"])
-    pool = PoolController(cluster)
+    pool = PoolController(cluster, RecordKeeper.in_memory())
     await settle(pool)
     assert cluster.revived == ["g0"]
     assert cluster.removed == ["g2"] and set(cluster.generators) == {"g0", "g1"}
@@ -48,7 +49,7 @@ async def test_a_restarted_generator_is_started_again_and_a_spent_one_leaves():
 
 async def test_a_generator_that_fails_to_start_again_is_discarded():
     cluster = Cluster(restarted=["g1"], spent=[], revive_fails=True)
-    pool = PoolController(cluster)
+    pool = PoolController(cluster, RecordKeeper.in_memory())
     await settle(pool)
     assert cluster.revived == [] and cluster.removed == ["g1"] and set(cluster.generators) == {"g0", "g2"}
 
@@ -68,6 +69,7 @@ class DrainingCluster:
 
         self.config = load_config(None, ["run_name=pool-test", "generator.replicas=2"])
         self.generators = {"g0": object(), "g1": object()}
+        self.restarts_seen, self._slots, self._next_index = {}, {"g0": 0, "g1": 1}, 2  # what the pool keeps
         self.history = ReplicaHistory()
         self.history.placed("g0", {"address": "10.0.0.3", "node_id": "n3"})
         self.history.placed("g1", {"address": "10.0.0.4", "node_id": "n4"})
@@ -101,7 +103,7 @@ async def test_a_replica_on_a_draining_node_is_replaced_once_and_the_policy_sees
 
     cluster = DrainingCluster()
     monkeypatch.setattr(pool_module, "draining_nodes", lambda: {"n3": None})
-    pool = PoolController(cluster)
+    pool = PoolController(cluster, RecordKeeper.in_memory())
     await pool._evacuate_draining()
     # The same round's step, before the replacement's actor exists (its task has not run yet): g0 is out
     # of the count, and without the replacement counted the policy would add a second ("below min").
@@ -143,7 +145,7 @@ async def test_a_replica_whose_drain_fails_is_replaced_once_and_stopped_all_the_
 
     cluster = FailingDrainCluster()
     monkeypatch.setattr(pool_module, "draining_nodes", lambda: {"n3": None})
-    pool = PoolController(cluster)
+    pool = PoolController(cluster, RecordKeeper.in_memory())
     for _ in range(4):  # four rounds: before, each one whose drain had failed started one more replacement
         await pool._evacuate_draining()
         await asyncio.gather(*pool._tasks)
@@ -193,7 +195,7 @@ async def test_a_restarted_proxy_is_restored_while_a_scale_out_waits_for_a_node(
 
     cluster = RestartedProxyCluster()
     monkeypatch.setattr(pool_module, "draining_nodes", lambda: {})
-    pool = PoolController(cluster)
+    pool = PoolController(cluster, RecordKeeper.in_memory())
     pool._spawn(pool._grow(1, ScaleEvent(0.0, 2, 3, "demand"), 0.0))  # its node never comes (here)
     await asyncio.sleep(0.05)
     assert pool._growing.locked()
