@@ -102,9 +102,8 @@ async def discard(cluster, rid: str) -> None:
 
 class PoolController:
     def __init__(self, cluster, keeper: RecordKeeper | None = None):
-        """`cluster`: the run's rl_cluster.cluster.Cluster after launch (proxy and first generators up).
-        From here on this copy of it is the one whose generator set changes. `keeper`: where its record is
-        kept for a successor (default: Ray's GCS, for this job)."""
+        """`cluster`: the run's rl_cluster.cluster.Cluster after launch (proxy and first generators up); this
+        copy of it is the one whose generator set changes. `keeper`: default Ray's GCS, for this job."""
         self.cluster = cluster
         self.g = cluster.config.generator
         self.policy = ScalingPolicy(rules_for(self.g))
@@ -124,6 +123,8 @@ class PoolController:
     # -- the actor's interface ----------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self._loop is not None:  # asked twice: Ray may deliver a call it retried across a restart twice
+            return
         await self._succession.begin()
         self._loop = asyncio.get_running_loop().create_task(self._run())
 

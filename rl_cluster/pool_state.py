@@ -173,13 +173,14 @@ class Succession:
     from the launch's copy of the Cluster) and starts itself: nobody else calls its start()."""
 
     def __init__(self, pool, keeper: RecordKeeper | None = None):
-        context = ray.get_runtime_context()
-        self.pool = pool
-        self.keeper = keeper or RecordKeeper(pool.cluster.config.run_name, context.get_job_id())
+        # Ray is asked only inside an actor: `ray.get_runtime_context()` outside one starts a local Ray.
+        if keeper is None:
+            keeper = RecordKeeper(pool.cluster.config.run_name, ray.get_runtime_context().get_job_id())
+        self.pool, self.keeper = pool, keeper
         self.unplaced: list[str] | None = None  # in a successor: generators the record did not know
         if (record := self.keeper.recall()) is not None:
             self.unplaced = take_over(pool, record)
-            context.current_actor.start.remote()
+            ray.get_runtime_context().current_actor.start.remote()
 
     async def begin(self) -> None:
         if self.unplaced is None:

@@ -59,6 +59,7 @@ class ProxyActor:
         # Set once it takes registrations: at start, or for one Ray restarted, once restored.
         self._open = asyncio.Event()
         self.url: str | None = None  # where it serves, once it does
+        self._restoring = asyncio.Lock()
 
     async def start(self, port: int | None = None, restoring: bool = False) -> str:
         """Start serving; returns the proxy's base URL. `port`: bind this one (a restarted proxy takes
@@ -120,17 +121,21 @@ class ProxyActor:
     ) -> str:
         """Serve again on `port` and take the replicas back, each with what it holds (ProxyServer.restore);
         returns the URL. `members`: replica id -> its generator's membership; `unreached`: replica id ->
-        why its generator did not answer (registered down, taken back when it answers)."""
-        url = await self.start(port, restoring=True)
-        logger.warning(
-            "proxy restarted by Ray: serving again on %s, restoring %d replicas (%d unreached)",
-            url, len(members), len(unreached or {}),
-        )  # fmt: skip
-        try:
-            await self._server.restore(members, unreached)
-        finally:
-            self._open.set()
-        return url
+        why its generator did not answer (registered down, taken back when it answers). One at a time: a
+        second one (a call retried, a second caller) finds it serving and changes nothing."""
+        async with self._restoring:
+            if self.serving:
+                return self.url
+            url = await self.start(port, restoring=True)
+            logger.warning(
+                "proxy restarted by Ray: serving again on %s, restoring %d replicas (%d unreached)",
+                url, len(members), len(unreached or {}),
+            )  # fmt: skip
+            try:
+                await self._server.restore(members, unreached)
+            finally:
+                self._open.set()
+            return url
 
     async def remove_replica(self, replica_id: str, drain_timeout_s: float = 300.0) -> None:
         await self._server.remove_replica(replica_id, drain_timeout_s)

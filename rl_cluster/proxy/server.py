@@ -123,7 +123,11 @@ class ProxyServer:
         port = port if port is not None else self.config.port
         # A port it may be restarted on (rl_cluster.nodes.stable_port).
         site = web.TCPSite(self._runner, bind, port or stable_port(bind))
-        await site.start()
+        try:
+            await site.start()
+        except BaseException:  # the port is taken: nothing of this try may stay open (a restore retries)
+            await self.stop()
+            raise
         port = self._runner.addresses[0][1]
         host = bind if ":" not in bind else f"[{bind}]"
         self.url = f"http://{host}:{port}"

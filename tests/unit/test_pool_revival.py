@@ -210,3 +210,14 @@ async def test_a_restarted_proxy_is_restored_while_a_scale_out_waits_for_a_node(
         cluster.started.set()  # the node came: the add ends
         await asyncio.gather(*pool._tasks)
         pool._loop.cancel()
+
+
+async def test_a_start_asked_twice_runs_one_loop():
+    """Ray may deliver a call it retried across the controller's restart twice: two loops would restore a
+    restarted proxy twice at once."""
+    pool = PoolController(RestartedProxyCluster(), RecordKeeper.in_memory())
+    await pool.start()
+    loop = pool._loop
+    await pool.start()
+    assert pool._loop is loop
+    loop.cancel()
