@@ -23,11 +23,11 @@ def node_placement() -> dict:
 
 def stable_port(host: str, tries: int = 100) -> int:
     """A free port of `host` for a server that is restarted on the same port (the proxy, a vLLM server):
-    below the kernel's ephemeral range, where no client's connection is ever given it. Inside that range a
-    client that keeps retrying a closed port can be handed that very port as its own (TCP's simultaneous
-    open: it connects to itself) and hold it: a proxy restored on its port then failed to bind, EADDRINUSE,
-    round after round, while the trainer retried its requests (tests/e2e/test_s3_run.py saw it). Falls back
-    to any free port where the range is unknown (not Linux) or nothing below it is free."""
+    below the kernel's ephemeral range, where no outgoing connection is ever given it as its own. Inside
+    that range, while the server is down, any connection on the node may be given its port (a client that
+    keeps retrying that very port even connects to itself: TCP's simultaneous open), and the restarted
+    server cannot bind it until that connection ends. Falls back to any free port where the range is
+    unknown (not Linux) or nothing below it is free."""
     low = _ephemeral_low()
     for _ in range(tries if low > STABLE_PORTS_FROM else 0):
         port = random.randrange(STABLE_PORTS_FROM, low)
