@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import asdict
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -102,8 +103,7 @@ async def discard(cluster, rid: str) -> None:
 
 class PoolController:
     def __init__(self, cluster, keeper: RecordKeeper | None = None):
-        """`cluster`: the run's rl_cluster.cluster.Cluster after launch (proxy and first generators up); this
-        copy of it is the one whose generator set changes. `keeper`: default Ray's GCS, for this job."""
+        """`cluster`: the run's Cluster after launch, from here on the copy whose generators change."""
         self.cluster = cluster
         self.g = cluster.config.generator
         self.policy = ScalingPolicy(rules_for(self.g))
@@ -134,18 +134,19 @@ class PoolController:
         self.policy.set_target(replicas)
         print(f"pool: {'target set to ' + str(replicas) if replicas else 'automatic again'}", flush=True)
         await self.step()
-        return await self.status()
+        status = await self.status()
+        self._succession.keep()  # an operator's target survives a restart from now on, not from next round
+        return status
 
     async def status(self) -> dict:
-        """Mode, bounds, replicas by condition, every scale event so far, and how often Ray restarted the
-        proxy and this controller."""
+        """Mode, bounds, replicas by condition, every scale event so far, Ray's restarts of proxy and pool."""
         stats = await self.cluster.proxy.stats.remote()
         snap, by_state = self._snapshot(stats)
         rules, target = self.policy.rules, self.policy.manual_target
         return {"mode": "automatic" if target is None else "manual", "target": target,
                 "min_replicas": rules.min_replicas, "max_replicas": rules.max_replicas, "size": snap.size,
                 **by_state, "events": await self.scale_events(),
-                "restarts": {"proxy": self.proxy_restores, "pool": self.restarts}}  # fmt: skip
+                "restarts": asdict(await self.restarts_so_far())}  # fmt: skip
 
     async def restarts_so_far(self) -> Restarts:
         """summary.json's proxy_restarts (each restored here) and pool_restarts (of this controller)."""
@@ -363,7 +364,7 @@ async def start_pool(cluster) -> object:
         namespace=NAMESPACE,
         num_cpus=0,
         # Its process may die (OOM-killed, a crash): Ray restarts it, and it takes the run's generators over
-        # (_take_over); calls made meanwhile wait for it.
+        # (rl_cluster.pool_state.Succession); calls made meanwhile wait for it.
         max_restarts=-1,
         max_task_retries=-1,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),

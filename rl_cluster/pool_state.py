@@ -48,10 +48,10 @@ class PoolRecord:
 
 @dataclass(frozen=True)
 class Restarts:
-    """How often Ray restarted the run's proxy and its pool controller (summary.json)."""
+    """How often Ray restarted the run's proxy and its pool controller (summary.json; None: unknown)."""
 
-    proxy: int
-    pool: int
+    proxy: int | None
+    pool: int | None
 
 
 def _key(run_name: str, job_id: str) -> str:
@@ -60,13 +60,12 @@ def _key(run_name: str, job_id: str) -> str:
 
 
 class RecordKeeper:
-    """Keeps one job's pool record in the GCS, writing only when it changed. `in_memory()`: one that keeps
-    it in this process (a controller outside Ray, in a unit test)."""
+    """Keeps one job's pool record in the GCS (a few KB, once a round). `in_memory()`: one that keeps it in
+    this process (a controller outside Ray, in a unit test)."""
 
     def __init__(self, run_name: str, job_id: str, store: dict[str, bytes] | None = None):
         self.run_name, self.key = run_name, _key(run_name, job_id)
         self._store = store
-        self._last = b""
 
     @classmethod
     def in_memory(cls, run_name: str = "run") -> RecordKeeper:
@@ -75,13 +74,10 @@ class RecordKeeper:
     def keep(self, record: PoolRecord) -> None:
         record.kept_at = time.time()
         data = pickle.dumps(record)
-        if data == self._last:
-            return
         if self._store is not None:
             self._store[self.key] = data
         else:
             internal_kv._internal_kv_put(self.key, data, overwrite=True, namespace=KV_NAMESPACE)
-        self._last = data
 
     def recall(self) -> PoolRecord | None:
         if self._store is not None:
