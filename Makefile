@@ -73,8 +73,9 @@ bench: setup
 
 # Prometheus on :9090 for the Ray cluster on this machine, with the config Ray writes for its session
 # (its service-discovery file lists every node's metrics export); Grafana's dashboard reads it.
+# The newest session's config, not session_latest/'s: Ray never replaces that link once it dangles.
 monitor: tools
-	$(PROMETHEUS) --config.file=/tmp/ray/session_latest/metrics/prometheus/prometheus.yml \
+	$(PROMETHEUS) --config.file=$$(ls -td /tmp/ray/session_2*/metrics/prometheus/prometheus.yml | head -1) \
 		--storage.tsdb.path=.cache/prometheus --web.listen-address=127.0.0.1:9090
 
 clean:

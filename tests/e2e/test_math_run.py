@@ -61,16 +61,22 @@ def eval_metric(run: subprocess.Popen, log: Path, timeout_s: float = 300) -> dic
     raise AssertionError(f"no ray_rl_trainer_eval of {RUN} in the metrics export:\n{log.read_text()[-3000:]}")
 
 
-def discovery_file(log: Path, timeout_s: float = 300) -> Path:
+def discovery_file(log: Path, run: subprocess.Popen, timeout_s: float = 300) -> Path:
     """Ray's prom_metrics_service_discovery.json of the run's local Ray, once it lists the export the
-    driver printed (the run's private Ray is the newest session under Ray's temporary directory)."""
-    path = Path(tempfile.gettempdir(), "ray", "session_latest", "prom_metrics_service_discovery.json")
+    driver printed. The path Ray's docs give, which each Ray's writer points at its own session's file on
+    every write; not `session_latest/`: Ray never replaces that link once its session directory is gone
+    (`try_to_symlink` sees a dangling link as absent, and the new link then fails silently)."""
+    path = Path(tempfile.gettempdir(), "ray", "prom_metrics_service_discovery.json")
     deadline = time.monotonic() + timeout_s
     while True:
-        port = EXPORT.search(log.read_text(errors="replace"))
+        text = log.read_text(errors="replace")
+        port = EXPORT.search(text)
         if port and path.exists() and f":{port.group(1)}" in path.read_text():
             return path
-        assert time.monotonic() < deadline, f"{path} never listed the metrics export the driver printed"
+        listed = path.read_text() if path.exists() else "(no file)"
+        assert run.poll() is None and time.monotonic() < deadline, (
+            f"{path} never listed the metrics export the driver printed ({listed}):\n{text[-3000:]}"
+        )
         time.sleep(1)
 
 
@@ -150,7 +156,7 @@ def test_eval_pass_at_1_rises_on_the_tiny_math_task(tiny_math_model_dir, tmp_pat
         try:
             # From the start: a real Prometheus fed by Ray's service-discovery file. Every query of the Grafana
             # dashboard returns data, as Grafana would ask it, and the reward's curve over the run.
-            with prometheus(discovery_file(log), tmp_path / "prometheus") as prom:
+            with prometheus(discovery_file(log, run), tmp_path / "prometheus") as prom:
                 started = time.time()
                 # The eval scores in Ray's own metrics export (the multi-node test checks the others; its
                 # demo runs no eval). The driver prints each node's export; scraped on loopback.
