@@ -54,8 +54,9 @@ def pytest_collection_modifyitems(config, items):
 # -- the tiny models, built beside the unit tests -----------------------------------------------------------
 # A clean clone has neither tiny model, and the first test that needed one built it: about 100 s of one
 # core (the math model's warm start is 80 s) while the rest of the suite waited. When the session's tests
-# need them, one lower-priority process builds them from the start, while the unit tests (run first, by the
-# Makefile) use the other core; each fixture waits for its model only.
+# need them, one lower-priority process builds them from the start, beside the first tests (the Makefile's
+# second session: the fast lane before it builds the add model where a test of its own needs it); each
+# fixture waits for its model only.
 TINY_CACHE = Path(os.environ.get("RL_CLUSTER_CACHE", REPO / ".cache"))
 MATH_TESTS = E2E / "test_math_run.py"
 _builder: subprocess.Popen | None = None
