@@ -71,3 +71,26 @@ def test_readme_says_what_make_clean_deletes():
     removed = re.search(r"^clean:\n\trm -rf (.+)$", read("Makefile"), re.M).group(1).split()
     assert removed == ["$(VENV)", ".cache", "bucket"]
     assert "make clean  # deletes .venv/, .cache/ and bucket/" in read("README.md")
+
+
+def test_servings_comparison_quotes_the_benchmarks_measured():
+    """docs/serving.md's table beside Ray Serve LLM and vllm-router: every measured number it quotes."""
+    page = " ".join(read("docs/serving.md").split("## Why not Ray Serve LLM or vllm-router", 1)[1].split())
+    at_scale = benchmark_section(9)
+    ours = [table_cell(at_scale, "rl_cluster proxy, prefix", i) for i in (1, 2, 3)]
+    theirs = [table_cell(at_scale, "vllm-router, cache_aware", i) for i in (1, 2, 3)]
+    assert (
+        f"{ours[0]} engine prefix-cache hits over {ours[2].split()[0]} replicas, busiest {ours[1]}x" in page
+    )
+    assert f"{theirs[0]} over {theirs[2].split()[0]} replicas, busiest {theirs[1]}x" in page
+    capacity = benchmark_section(6)
+    rate = int(table_cell(capacity, "rl_cluster proxy (8 upstreams)", 1))
+    router = int(table_cell(capacity, "vllm-router, cache_aware (8 upstreams)", 1))
+    assert f"{rate:,} in front of 8 replicas" in page and f"{router:,} ({router / rate:.1f}x ours" in page
+    handoff = table_cell(benchmark_section(3), "directory bucket, proxy, 2 replicas", 4).split(" / ")[0]
+    assert f"publish -> routable {handoff} ms p50 on two replicas" in page
+    sync = table_cell(benchmark_section(8), "256", 1)
+    assert f"one sync on 256 replicas {round(float(sync))} ms p50" in page
+    assert (
+        table_cell(benchmark_section(1), "vllm-router, cache_aware", 3) == "100.0%"
+    )  # "sent every request to one"
