@@ -269,6 +269,16 @@ def parent_pid(pid: int) -> int | None:
         return None
 
 
+def descendants(pids, root: int) -> list[int]:
+    """Those of `pids` that run under process `root` (children, and theirs)."""
+    parents = {p: parent_pid(p) for p in pids}
+    under, found = {root}, True
+    while found:
+        found = {p for p, parent in parents.items() if parent in under and p not in under}
+        under |= found
+    return sorted(under - {root})
+
+
 def alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"  # a zombie has exited

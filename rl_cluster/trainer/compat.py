@@ -3,8 +3,8 @@
 Each function says what it works around; `tests/unit/test_compat.py` shows each one is needed (the
 unpatched code fails on a CPU machine) and that the replacement is correct. Checked on the pinned TRL
 1.16.0, transformers 5.19 and accelerate 1.16.0: an item is retired when an upgrade makes its test's
-"needed" half fail (the upstream code no longer misbehaves). Items 6, 10, 12 to 15 and the loop's half
-of 19 are carried by the rollout child's loop (rl_cluster/trainer/rollout.py), item 16 by
+"needed" half fail (the upstream code no longer misbehaves). Items 6, 10, 12 to 15, 23 and the loop's
+half of 19 are carried by the rollout child's loop (rl_cluster/trainer/rollout.py), item 16 by
 rl_cluster/trainer/batching.py; the rest are here.
 
 1. TRL 1.16's AsyncGRPOTrainer packs samples into a "tree" and runs attention through a CUDA
@@ -102,6 +102,12 @@ rl_cluster/trainer/batching.py; the rest are here.
    wrapped in DDP (and with `use_cpu=False` on a CPU-only torch each rank believes it is alone). Yet
    torch's `fully_shard` runs on CPU over gloo. `apply_trainer_workarounds` makes a multi-CPU state that
    was given a plugin an FSDP one, as on GPUs: `trainer.strategy = "fsdp2"` is then sharded on CPU too.
+23. TRL spawns the rollout child only once training begins, after the first weight sync, and a spawned
+   child imports torch, transformers and TRL afresh: ~15 s of one core on every trainer start and
+   restart, with the rank idle meanwhile. The loop's worker starts it from a fork server instead
+   (`rollout_context`), which rank 0 starts as its training begins (`start_rollout_server`) and which
+   imports the stack while the rank loads its model and publishes its first version; the child is a
+   fork of it, and, as a spawned one, inherits nothing of the rank (no CUDA, no threads).
 
 What retires each item (searched upstream trackers, 2026-12; "none filed" means no upstream issue was
 found, and the item goes when a release changes the behaviour its test shows):
@@ -117,6 +123,7 @@ found, and the item goes when a release changes the behaviour its test shows):
 - 17: transformers #26413 (resume with a dataset without length; the PR #33544 is open).
 - 18: a public sync hook in AsyncGRPOTrainer; none filed. 21: TRL #6945, #7120. 22: none filed
   (accelerate's FSDP on CPU); its test fails when accelerate keeps the plugin by itself.
+- 23: a choice of the rollout child's start method (or its start at construction); none filed.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from rl_cluster.trainer.checkpoints import (
 )
 from rl_cluster.trainer.proxy_client import ProxyAddress, ProxyClient
 from rl_cluster.trainer.records import Orders, RankHello, RankStart
+from rl_cluster.trainer.rollout_server import start_rollout_server
 from rl_cluster.trainer.task import load_prompts
 
 # What a rank imports before the run begins (while the generators start): torch, transformers, TRL, PEFT.
@@ -233,6 +234,8 @@ class Rank:
         from rl_cluster.trainer.compat import apply_trainer_workarounds, train_to_max_steps
 
         apply_trainer_workarounds()
+        if self.main:
+            start_rollout_server()
         c = self.config
         model_dir = resolve_model(c.model.path, c.model.revision)
         self._base_fingerprint = model_fingerprint(model_dir)

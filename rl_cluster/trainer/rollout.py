@@ -24,6 +24,7 @@ from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
 
 from rl_cluster.core.admission import admits
 from rl_cluster.core.auth import bearer_headers
+from rl_cluster.trainer.rollout_server import rollout_context
 
 # The version the group of the sample being generated runs under (set per sample's asyncio task).
 _GROUP_VERSION: contextvars.ContextVar[int | None] = contextvars.ContextVar("group_version", default=None)
@@ -217,6 +218,7 @@ def pin_group_versions(
     if worker._loop_cls is not _AsyncRolloutLoop:
         raise RuntimeError(f"pin_group_versions would replace a custom rollout loop {worker._loop_cls!r}")
     worker._loop_cls = GroupPinnedRolloutLoop
+    worker._mp_ctx = rollout_context()  # item 23; its queues, from TRL's spawn context, pass to it alike
     worker._loop_kwargs["pinned_window"] = window
     worker._loop_kwargs["position"] = position
     worker._loop_kwargs["auth_token"] = auth_token

@@ -22,18 +22,37 @@ def orphan(watch: bool, ready) -> None:
     time.sleep(120)
 
 
-def parent_of_orphan(watch: bool, out) -> None:
-    """A trainer's stand-in: spawns a daemon child as TRL's worker does, reports its pid, waits."""
+def parent_of_orphan(watch: bool, out, served: bool = False) -> None:
+    """A trainer's stand-in: starts a daemon child as TRL's worker does (`served`: from rank 0's fork server,
+    item 23), reports its pid and whether it is a fork of that server, waits."""
     import multiprocessing as mp
     import time
 
     ctx = mp.get_context("spawn")
-    ready = ctx.Queue()
+    if served:
+        from rl_cluster.trainer.rollout_server import rollout_context, start_rollout_server
+
+        start_rollout_server()
+        ctx = rollout_context()
+    ready = mp.get_context("spawn").Queue()  # from TRL's context, as its worker's queues are
     child = ctx.Process(target=orphan, args=(watch, ready), daemon=True)
     child.start()
     ready.get(timeout=120)
-    out.put(child.pid)
+    out.put((child.pid, preloaded_parent(child.pid)))
     time.sleep(120)
+
+
+def preloaded_parent(pid: int) -> bool:
+    """Whether process `pid`'s parent is a fork server that preloaded the rollout loop (not its starter)."""
+    import os
+
+    with open(f"/proc/{pid}/stat") as f:
+        parent = int(f.read().rsplit(") ", 1)[1].split()[1])
+    # python -c 'from multiprocessing.forkserver import main; main(.., [preloaded modules], ..)'
+    with open(f"/proc/{parent}/cmdline", "rb") as f:
+        command = f.read()
+    served = b"forkserver import main" in command and b"'rl_cluster.trainer.rollout'" in command
+    return parent != os.getpid() and served
 
 
 def cpu_ranks(rank: int, rendezvous: str, groups: int, step: int, budget: int, out) -> None:

@@ -443,17 +443,21 @@ def _alive(pid: int) -> bool:
         return f.read().split(") ")[1][0] != "Z"  # a zombie has exited
 
 
-@pytest.mark.parametrize("watch", [False, True])
-def test_a_daemon_child_outlives_a_killed_parent_unless_it_watches(watch):
-    """Item 14: TRL's rollout child is a daemon process of the trainer; SIGKILL the trainer and it stays."""
+@pytest.mark.parametrize(("watch", "served"), [(False, False), (True, False), (True, True)])
+def test_a_daemon_child_outlives_a_killed_parent_unless_it_watches(watch, served):
+    """Item 14: TRL's rollout child is a daemon process of the trainer; SIGKILL the trainer and it stays.
+    Watching, it ends with the trainer also when it was forked from rank 0's fork server (item 23)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    parent = ctx.Process(target=spawn_targets.parent_of_orphan, args=(watch, out))
+    parent = ctx.Process(target=spawn_targets.parent_of_orphan, args=(watch, out, served))
     parent.start()
-    child_pid = out.get(timeout=120)
-    os.kill(parent.pid, signal.SIGKILL)
-    parent.join()
     try:
+        child_pid, forked = out.get(timeout=120)
+    finally:
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.join()
+    try:
+        assert forked is served  # a fork of the server, not a child its starter spawned
         deadline = time.monotonic() + (10 if watch else 3)  # watching, it exits well within a second
         while _alive(child_pid) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -461,6 +465,20 @@ def test_a_daemon_child_outlives_a_killed_parent_unless_it_watches(watch):
     finally:
         if _alive(child_pid):
             os.kill(child_pid, signal.SIGKILL)
+
+
+def test_trl_spawns_its_rollout_child_and_ours_starts_from_a_fork_server_of_the_training_stack():
+    """Item 23: TRL's worker spawns the child (it imports the training stack afresh, after the first sync);
+    ours forks it from a server that preloads the loop's module, and with it torch, transformers and TRL.
+    That a forked child works, and ends with its trainer: the item 14 test, served."""
+    from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
+
+    worker = AsyncRolloutWorker()
+    assert worker._mp_ctx.get_start_method() == "spawn"
+    trainer = type("Trainer", (), {"rollout_worker": worker})()
+    rollout.pin_group_versions(trainer, window=2)
+    assert worker._mp_ctx.get_start_method() == "forkserver"
+    assert mp.forkserver._forkserver._preload_modules == [rollout.__name__]
 
 
 _rollout_samples = spawn_targets.rollout_samples
