@@ -49,7 +49,7 @@ from rl_cluster.core.scaling import (
     ScalingRules,
     snapshot,
 )
-from rl_cluster.pool_state import RecordKeeper, Restarts, Succession
+from rl_cluster.pool_state import Leaving, RecordKeeper, Restarts, Succession
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class PoolController:
         self.g = cluster.config.generator
         self.policy = ScalingPolicy(rules_for(self.g))
         self.events: list[ScaleEvent] = []
-        self._leaving: set[str] = set()
+        self._leaving: dict[str, Leaving] = {}  # kept for a successor, which finishes their way out
         self.replacements = Replacements(self.policy.rules.max_replicas)  # of replicas on draining nodes
         # One add at a time, so the actors an add creates are known. Only adds take it: a proxy restore
         # must never wait behind an add, which can wait up to generator.scale_up_timeout_s for a node.
@@ -140,8 +140,7 @@ class PoolController:
 
     async def status(self) -> dict:
         """Mode, bounds, replicas by condition, every scale event so far, Ray's restarts of proxy and pool."""
-        stats = await self.cluster.proxy.stats.remote()
-        snap, by_state = self._snapshot(stats)
+        snap, by_state = self._snapshot(await self.cluster.proxy.stats.remote())
         rules, target = self.policy.rules, self.policy.manual_target
         return {"mode": "automatic" if target is None else "manual", "target": target,
                 "min_replicas": rules.min_replicas, "max_replicas": rules.max_replicas, "size": snap.size,
@@ -221,7 +220,7 @@ class PoolController:
         for rid in list(self.cluster.generators):
             stint = self.cluster.history.current(rid)
             if stint is not None and stint.node_id in draining and rid not in self._leaving:
-                self._leaving.add(rid)
+                self._leaving[rid] = Leaving(NODE_DRAINED, stop_anyway=True)
                 replace = self.replacements.grant(rid, len(self.cluster.generators) - len(self._leaving))
                 self._spawn(self._replace(rid, stint.address, draining[stint.node_id], replace))
 
@@ -233,6 +232,7 @@ class PoolController:
         size = len(self.cluster.generators) - len(self._leaving) + 1
         event, budget, notice = evacuation(rid, address, deadline, now, self.g.drain_timeout_s, size, replace)
         self.events.append(event)
+        self._leaving[rid] = Leaving(NODE_DRAINED, len(self.events) - 1, now + budget, stop_anyway=True)
         then = "a replacement starts now" if replace else "no replacement (it had one, or max_replicas)"
         print(f"pool: {rid} leaves: {notice}; {then}", flush=True)
         fault = self.cluster.history.record(rid, f"{NODE_DRAINED} ({address})", now, None)
@@ -248,7 +248,7 @@ class PoolController:
         fault.recovered_s = event.ready_s
 
     def _leave(self, rid: str) -> None:
-        self._leaving.add(rid)
+        self._leaving[rid] = Leaving("restart budget spent")
         self._spawn(self._retire(rid))
 
     async def _retire(self, rid: str) -> None:
@@ -257,7 +257,7 @@ class PoolController:
         except Exception as e:
             print(f"pool: stopping {rid} failed: {type(e).__name__}: {e}", flush=True)
         finally:
-            self._leaving.discard(rid)
+            self._leaving.pop(rid, None)
 
     async def _revive(self, rid: str) -> None:
         try:
@@ -290,7 +290,7 @@ class PoolController:
         if decision.add:
             self._spawn(self._grow(decision.add, event, time.monotonic()))
         for rid in decision.remove:
-            self._leaving.add(rid)
+            self._leaving[rid] = Leaving(REMOVED, len(self.events) - 1)
             event.replicas.append(rid)
             self._spawn(self._shrink(rid, event, time.monotonic()))
 
@@ -350,7 +350,7 @@ class PoolController:
             event.error = f"removing {rid}: {type(e).__name__}: {e}"
             print(f"pool: {event.error}", flush=True)
         finally:
-            self._leaving.discard(rid)
+            self._leaving.pop(rid, None)
 
 
 PoolActor = ray.remote(PoolController)

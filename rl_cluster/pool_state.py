@@ -32,6 +32,19 @@ from rl_cluster.core.scaling import ScaleEvent, ScalingPolicy
 KV_NAMESPACE = "rl_cluster"
 
 
+@dataclass(frozen=True)
+class Leaving:
+    """A replica on its way out, as a successor must finish taking it out: drained, then stopped, under
+    scale event `event` (an index into the record's events) with `why` in its history, its drain bounded
+    by wall clock `until` (None: generator.drain_timeout_s) and stopped whatever the drain says when
+    `stop_anyway` (its node is going); or, with `event` None, only stopped (its restart budget is spent)."""
+
+    why: str
+    event: int | None = None
+    until: float | None = None
+    stop_anyway: bool = False
+
+
 @dataclass
 class PoolRecord:
     policy: ScalingPolicy
@@ -41,6 +54,7 @@ class PoolRecord:
     restarts_seen: dict[str, int] = field(default_factory=dict)
     slots: dict[str, int] = field(default_factory=dict)  # replica -> the slot that picks its CPU core
     next_index: int = 0  # the next replica is g<next_index>
+    leaving: dict[str, Leaving] = field(default_factory=dict)  # replica -> its way out, under way
     proxy_restores: int = 0
     restarts: int = 0  # of the pool controller itself
     kept_at: float = 0.0  # wall clock of the keep: a restarted controller's predecessor died after it
@@ -111,7 +125,7 @@ def record_of(pool) -> PoolRecord:
     """A pool controller's (rl_cluster.pool.PoolController) record, as of now."""
     c = pool.cluster
     return PoolRecord(pool.policy, pool.replacements, c.history, pool.events, c.restarts_seen, c._slots,
-                      c._next_index, pool.proxy_restores, pool.restarts)  # fmt: skip
+                      c._next_index, dict(pool._leaving), pool.proxy_restores, pool.restarts)  # fmt: skip
 
 
 def take_over(pool, record: PoolRecord) -> list[str]:
@@ -146,6 +160,23 @@ async def locate(cluster, replicas: list[str], timeout_s: float = 10.0) -> None:
             continue
 
 
+async def finish_leaving(pool, rid: str, left: Leaving) -> None:
+    """Take out again a replica the predecessor was taking out when it died: its drain may have begun (the
+    proxy's drain of a draining replica waits for what is still in flight), its server may still run.
+    Left alone, the proxy would keep it out of routing and the policy would not count it, for the rest
+    of the run, with its vLLM server up."""
+    pool._leaving[rid] = left
+    if left.event is None:
+        await pool._retire(rid)
+        return
+    budget = None if left.until is None else max(0.0, left.until - time.time())
+    print(f"pool: {rid} was leaving ({left.why}) when the controller died; it leaves now", flush=True)
+    try:
+        await pool._shrink(rid, pool.events[left.event], time.monotonic(), budget, left.why, left.stop_anyway)
+    finally:
+        pool.replacements.done(rid)  # a replacement the predecessor had not started is the policy's now
+
+
 async def stop_generators(run_name: str, timeout_s: float = 60.0) -> list[str]:
     """Kill every generator actor of `run_name` found by name (their vLLM servers' watchdogs end the
     servers), and wait, bounded, until their names are free for a new driver's generators."""
@@ -174,8 +205,10 @@ class Succession:
             keeper = RecordKeeper(pool.cluster.config.run_name, ray.get_runtime_context().get_job_id())
         self.pool, self.keeper = pool, keeper
         self.unplaced: list[str] | None = None  # in a successor: generators the record did not know
+        self.leaving: dict[str, Leaving] = {}  # in a successor: those its predecessor was taking out
         if (record := self.keeper.recall()) is not None:
             self.unplaced = take_over(pool, record)
+            self.leaving = {r: left for r, left in record.leaving.items() if r in pool.cluster.generators}
             ray.get_runtime_context().current_actor.start.remote()
 
     async def begin(self) -> None:
@@ -183,6 +216,8 @@ class Succession:
             self.keeper.forget_run()  # records of the run's earlier drivers, killed before their end
         else:
             await locate(self.pool.cluster, self.unplaced)
+            for rid, left in self.leaving.items():
+                self.pool._spawn(finish_leaving(self.pool, rid, left))
         self.keep()
 
     def keep(self) -> None:

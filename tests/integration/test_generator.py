@@ -5,6 +5,7 @@ controller Ray restarted takes the run's generators over, and they end with thei
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -53,6 +54,49 @@ async def test_generator_verifies_loads_and_dies_cleanly(marked_ray, tiny_model_
     assert not wait_until_no_vllm_with(marked_ray), "vLLM outlived its actor"
 
 
+async def wait_serving(pool, replicas: list[str], timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while sorted((await pool.status.remote())["serving"]) != replicas and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+    assert sorted((await pool.status.remote())["serving"]) == replicas
+
+
+class HeldRequests:
+    """Four completions through the proxy, each a new prompt (each goes to the least loaded replica), held
+    in flight: every vLLM server of the test is SIGSTOPped until `release()`."""
+
+    def __init__(self, marker: str, proxy_url: str, model: str):
+        self.servers = sorted(vllm_pids_with(marker))
+        for pid in self.servers:
+            os.kill(pid, signal.SIGSTOP)
+        self.posts = [
+            asyncio.create_task(asyncio.to_thread(self._post, proxy_url, model, n)) for n in range(4)
+        ]
+
+    @staticmethod
+    def _post(proxy_url: str, model: str, n: int) -> int:
+        body = {"model": model, "prompt": f"held #{n}: {n}+1=", "max_tokens": 4}
+        return requests.post(f"{proxy_url}/v1/completions", json=body, timeout=300).status_code
+
+    async def in_flight(self, proxy, expected: dict[str, int], timeout_s: float = 30) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            replicas = (await proxy.stats.remote())["replicas"]
+            if (seen := {rid: replicas[rid]["in_flight"] for rid in expected}) == expected:
+                return
+            await asyncio.sleep(0.2)
+        raise AssertionError(f"in flight: {seen}, not {expected}")
+
+    def release(self) -> None:
+        for pid in self.servers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    async def answers(self) -> list[int]:
+        self.release()
+        return list(await asyncio.gather(*self.posts))
+
+
 async def test_a_killed_pool_controller_takes_its_generators_over_and_they_end_with_the_run(
     marked_ray, tiny_model_dir, tmp_path
 ):
@@ -63,7 +107,9 @@ async def test_a_killed_pool_controller_takes_its_generators_over_and_they_end_w
     run = "pool-takeover"
     config = tiny_run_config(run, tiny_model_dir, tmp_path)
     config = config.model_copy(update={"generator": config.generator.model_copy(update={"max_replicas": 2})})
-    cluster = await start_proxy(config, str(tmp_path))
+    # No health checks: the servers are SIGSTOPped below to hold requests in flight, not to fail them.
+    config = config.model_copy(update={"proxy": config.proxy.model_copy(update={"health_interval_s": 600.0})})
+    cluster, held = await start_proxy(config, str(tmp_path)), None
     try:
         await cluster.add_generators(1)
         [(rid, first)] = running_generators(run).items()
@@ -81,14 +127,32 @@ async def test_a_killed_pool_controller_takes_its_generators_over_and_they_end_w
         assert sorted(members["generators"]) == ["g0", "g1"], members
         assert [f.what for f in members["history"].faults] == ["pool controller restarted by Ray"]
         # The successor decides and acts on the generators it took over: g1, killed mid-start with its
-        # starter, started all the same; once it serves, one of the two is drained and stopped.
+        # starter, started all the same; once it serves, one of the two is drained and stopped. Its drain
+        # waits for requests held in flight (both vLLM servers SIGSTOPped), and the controller is killed
+        # again meanwhile: its successor finishes taking the replica out, and every request is answered.
+        await wait_serving(pool, ["g0", "g1"])
+        held = HeldRequests(marked_ray, cluster.proxy_url, str(tiny_model_dir))
+        await held.in_flight(cluster.proxy, {"g0": 2, "g1": 2})
         await pool.set_target.remote(1)
+        status = await pool.status.remote()
+        (leaving,) = status["leaving"]
+        assert (await cluster.proxy.stats.remote())["replicas"][leaving]["state"] == "draining"
+        killed = the_runs_process(marked_ray, b"ray::PoolController", 30)
+        os.kill(killed, signal.SIGKILL)
+        deadline = time.monotonic() + 60  # the successor takes it out again: it is leaving there too
+        while leaving not in (await pool.status.remote())["leaving"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert leaving in (await pool.status.remote())["leaving"], "the successor forgot the drain under way"
+        assert await held.answers() == [200] * 4  # the servers go on (SIGCONT): nothing in flight was lost
         deadline = time.monotonic() + 180
         while len(running_generators(run)) > 1 and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
-        assert len(running_generators(run)) == 1
-        shrink = (await pool.status.remote())["events"][-1]
+        assert sorted(running_generators(run)) == sorted({"g0", "g1"} - {leaving})
+        status = await pool.status.remote()
+        shrink = status["events"][-1]
         assert (shrink["from"], shrink["to"], shrink["reason"]) == (2, 1, "manual: target 1"), shrink
+        assert shrink["replicas"] == [leaving] and leaving in shrink["drain"], shrink
+        assert status["restarts"]["pool"] == 2 and not status["leaving"], status
         # The driver is gone (its proxy dead for good): each generator ends itself and its server.
         ray.kill(pool, no_restart=True)
         ray.kill(cluster.proxy, no_restart=True)
@@ -98,5 +162,7 @@ async def test_a_killed_pool_controller_takes_its_generators_over_and_they_end_w
         assert not running_generators(run), "a generator outlived its run's proxy"
         assert not wait_until_no_vllm_with(marked_ray), "vLLM outlived its generator"
     finally:
+        if held is not None:
+            held.release()  # never leave a stopped process of ours behind
         await cluster.shutdown()
         await stop_generators(run)

@@ -221,3 +221,33 @@ async def test_a_start_asked_twice_runs_one_loop():
     await pool.start()
     assert pool._loop is loop
     loop.cancel()
+
+
+async def test_a_successor_takes_out_a_replica_its_predecessor_died_taking_out():
+    """The record says which replicas were on their way out; a restarted controller drains and stops them
+    (a drain is idempotent in the proxy), under the same scale event. Else the proxy keeps such a replica
+    out of routing, the policy does not count it, and its server runs for the rest of the run."""
+    from rl_cluster.core.replica_history import REMOVED
+    from rl_cluster.pool_state import Leaving, finish_leaving
+
+    cluster = DrainingCluster()
+    cluster.config = load_config(
+        None, ["run_name=pool-test", "generator.replicas=2", "generator.min_replicas=1"]
+    )
+    keeper = RecordKeeper.in_memory("pool-test")
+    pool = PoolController(cluster, keeper)
+    pool.policy.set_target(1)
+    decision = await pool.step()
+    (rid,) = decision.remove
+    pool._succession.keep()  # the round's keep, then the controller dies before the shrink ran
+    for task in pool._tasks:
+        task.cancel()
+    record = keeper.recall()
+    assert record.leaving == {rid: Leaving(REMOVED, 0)} and cluster.removed == []
+
+    successor = PoolController(cluster, RecordKeeper.in_memory("pool-test"))
+    successor.events = record.events
+    await finish_leaving(successor, rid, record.leaving[rid])
+    assert cluster.removed == [rid] and not successor._leaving
+    (event,) = successor.events
+    assert event.replicas == [rid] and event.drain[rid]["in_flight_left"] == 0
