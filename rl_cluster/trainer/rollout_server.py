@@ -1,12 +1,7 @@
-"""Where TRL's rollout child starts from (compat item 23): a fork server that has imported the child's loop
-module, and with it torch, transformers and TRL, before training begins.
-
-TRL spawns the child once training begins, after the first weight sync, and a spawned child imports the
-whole stack afresh: ~15 s of one core on every trainer start and restart, with the rank waiting. Rank 0
-starts this server as its training begins, so the imports run while it loads its model and publishes its
-first version, and the child is a fork of the server: like a spawned child it inherits nothing of the
-rank (no CUDA context, no threads), and it ends with the rank as before (rollout.exit_with_parent).
-This module imports nothing heavy: a process that only starts the server does not pay for the stack.
+"""Where TRL's rollout child starts from: a fork server that has imported the child's loop module, and with
+it torch, transformers and TRL, before the child is asked for (why: compat item 23). The child ends with its
+rank as a spawned one did (rollout.exit_with_parent). This module imports nothing heavy, so that starting
+the server costs its caller nothing.
 """
 
 from __future__ import annotations
