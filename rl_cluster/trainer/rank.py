@@ -22,6 +22,7 @@ from rl_cluster.bucket import LEASE_TTL_S, Bucket
 from rl_cluster.config import RunConfig
 from rl_cluster.core.evaluation import eval_line, eval_record
 from rl_cluster.core.fence import WriteFence
+from rl_cluster.core.gang_faults import peer_gone
 from rl_cluster.core.manifest import adapter_dir_name
 from rl_cluster.core.summary import step_record
 from rl_cluster.core.telemetry import GROUP_FATES, TRAINER_METRICS, finite, step_values
@@ -78,8 +79,10 @@ def rank_main(loop_config: dict) -> None:
         Rank(loop_config["config"], loop_config["proxy"], coordinator, start, hello).train()
     except Exception as e:
         traceback.print_exc()
-        # The other ranks wait for this one in a collective: the coordinator ends the gang's run.
         several = hello.world_size > 1
+        if several and peer_gone(e):
+            raise  # the gang's failure, not this rank's: Ray Train restarts the gang, as for the peer's death
+        # The other ranks wait for this one in a collective: the coordinator ends the gang's run.
         who = f"rank {hello.rank}: " if several else ""
         ray.get(
             coordinator.rank_failed.remote(

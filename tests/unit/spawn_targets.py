@@ -270,3 +270,19 @@ def rank_shards(rank: int, rendezvous: str, model_dir: str, out) -> None:
     out.close()
     out.join_thread()  # sent before teardown (see cpu_ranks)
     torch.distributed.destroy_process_group()
+
+
+def gloo_rank_that_dies(port: int) -> None:
+    """Rank 1 of a two-rank gloo group whose rank 0 is the test: one all-reduce, then SIGKILLed, as the
+    multi-node resume run kills a rank mid-run."""
+    import datetime
+    import os
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=60))
+    group = dist.ProcessGroupGloo(store, 1, 2, datetime.timedelta(seconds=60))
+    group.allreduce([torch.ones(1)]).wait()
+    os.kill(os.getpid(), signal.SIGKILL)
