@@ -15,7 +15,8 @@ def peer_gone(error: BaseException) -> bool:
     """Whether a rank's training failed because another rank is gone, not because of its own training.
     That is the gang's failure, which Ray Train answers with a restart (trainer.max_restarts) once it
     sees the peer dead; reported as a training error instead, it would end the run when the surviving
-    rank says so first (the multi-node resume run's rank 1 SIGKILL lost its run this way in CI).
+    rank says so first (the multi-node resume run's SIGKILLed rank 1 lost its run this way once, in a
+    clean-clone `.ci/run`).
 
     >>> peer_gone(RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
     True
