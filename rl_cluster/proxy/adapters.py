@@ -83,6 +83,12 @@ class AdapterBroadcasts:
             try:
                 targets = await self._load_once(name, path, start_by)
                 break
+            except NoActiveReplica:
+                # The replica its wait saw active left before the lock was the load's (a catch-up held
+                # it): like a request, the sync waits for one to come back, bounded. Not a 503 at once.
+                if start_by.expired or waiting.expired:
+                    raise
+                logger.warning("no replica was active when loading %s: waiting for one to return", name)
             except LoadFailed as e:
                 # Every replica it went to turned out to be down (a one-replica run whose engine just
                 # died): like a request, the sync waits for one to come back, bounded.

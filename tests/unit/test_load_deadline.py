@@ -83,6 +83,24 @@ async def test_waiting_for_a_replica_when_all_were_down_ends_with_the_loads_dead
     assert isinstance(error, NoActiveReplica | LoadTimedOut) and took < 0.6
 
 
+async def test_a_load_whose_replica_left_while_it_waited_for_the_lock_waits_for_one_to_return():
+    # The chaos run's phase 3: the load's wait saw g1 active (back from a cut link), a catch-up held the
+    # lock, g1 left routing again meanwhile and g0's restarted actor had no server yet. The load found no
+    # active replica under the lock and was answered 503 at once; it waits for one within its deadline.
+    pool = pool_of({"g0": Loader(), "g1": Loader()}, load_timeout_s=3.0)
+    pool.book.mark_unhealthy("g0")
+    async with pool._adapter_lock:  # a catch-up
+        load = asyncio.create_task(pool.adapters.load("run-v2", "/bucket/run-v2"))
+        await asyncio.sleep(0.1)  # the load saw g1 active and waits for the lock
+        pool.book.mark_unhealthy("g1")
+    await asyncio.sleep(0.2)  # the load found nobody active: it waits (before: its 503 was out by now)
+    assert not load.done()
+    pool.book.begin_catch_up("g0")  # g0's new server is back, caught up
+    pool.book.activate("g0")
+    assert await asyncio.wait_for(load, 2.0) == ["g0"]
+    assert pool.book.is_routable("run-v2")
+
+
 async def test_a_rollback_unloads_everywhere_at_once():
     # Three replicas took the version, one refused it: the three unload in one deadline, not three.
     loaders = {f"g{i}": Loader(unload_s=0.2) for i in range(3)} | {"g3": Loader(AdapterRejected("rank 64"))}
