@@ -83,18 +83,13 @@ class AdapterBroadcasts:
             try:
                 targets = await self._load_once(name, path, start_by)
                 break
-            except NoActiveReplica:
-                # The replica its wait saw active left before the lock was the load's (a catch-up held
-                # it): like a request, the sync waits for one to come back, bounded. Not a 503 at once.
-                if start_by.expired or waiting.expired:
+            except (NoActiveReplica, LoadFailed) as e:
+                # No replica to load on: every one it went to was down (a one-replica run whose engine just
+                # died), or the one its wait saw active left before the lock was the load's (a catch-up held
+                # it). Like a request, the sync waits for one to come back, bounded; not a 503 at once.
+                if (isinstance(e, LoadFailed) and not e.all_down) or start_by.expired or waiting.expired:
                     raise
-                logger.warning("no replica was active when loading %s: waiting for one to return", name)
-            except LoadFailed as e:
-                # Every replica it went to turned out to be down (a one-replica run whose engine just
-                # died): like a request, the sync waits for one to come back, bounded.
-                if not e.all_down or start_by.expired or waiting.expired:
-                    raise
-                logger.warning("every replica was down while loading %s: waiting for one to return", name)
+                logger.warning("no replica to load %s on: waiting for one to return", name)
         # A target may have left meanwhile (a drained replica's generator stops during the load).
         routable_on = [r for r in targets if r in self.replicas and name in self.book.loaded_on(r)]
         logger.info("adapter %s routable on %s", name, routable_on)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import signal
-import socket
 
 import pytest
 import spawn_targets
+from conftest import free_port
 
 from rl_cluster.core.gang_faults import peer_gone
 
@@ -19,9 +19,7 @@ def test_the_collective_of_a_rank_whose_peer_was_killed_says_the_peer_is_gone(mo
     import torch.distributed as dist
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # the pair on loopback (the child inherits it)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     store = dist.TCPStore(
         "127.0.0.1", port, 2, is_master=True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
     )
