@@ -37,7 +37,11 @@ class AdapterExists(Exception):
 
 
 class NoActiveReplica(Exception):
-    """Nothing to broadcast to: no replica is active."""
+    """Nothing to broadcast to: no replica is active (after `waited_s` of waiting, ended by the `bound`)."""
+
+    def __init__(self, waited_s: float = 0.0, bound: str = "proxy.unavailable_timeout_s"):
+        super().__init__(f"no active replica after {waited_s:.1f} s ({bound})")
+        self.waited_s, self.bound = waited_s, bound
 
 
 class LoadTimedOut(Exception):
@@ -79,6 +83,7 @@ class AdapterBroadcasts:
         # A broadcast must start by `start_by` to end by the load's deadline.
         start_by = Deadline.after(self.config.load_timeout_s - self.config.broadcast_s)
         waiting = Deadline.after(self.config.unavailable_timeout_s)  # for a replica, when all were down
+        began = time.monotonic()
         while True:
             try:
                 targets = await self._load_once(name, path, start_by)
@@ -87,8 +92,13 @@ class AdapterBroadcasts:
                 # No replica to load on: every one it went to was down (a one-replica run whose engine just
                 # died), or the one its wait saw active left before the lock was the load's (a catch-up held
                 # it). Like a request, the sync waits for one to come back, bounded; not a 503 at once.
-                if (isinstance(e, LoadFailed) and not e.all_down) or start_by.expired or waiting.expired:
+                if isinstance(e, LoadFailed) and not e.all_down:
                     raise
+                if start_by.expired or waiting.expired:
+                    if isinstance(e, LoadFailed):
+                        raise
+                    bound = "proxy.load_timeout_s" if start_by.expired else "proxy.unavailable_timeout_s"
+                    raise NoActiveReplica(time.monotonic() - began, bound) from None
                 logger.warning("no replica to load %s on: waiting for one to return", name)
         # A target may have left meanwhile (a drained replica's generator stops during the load).
         routable_on = [r for r in targets if r in self.replicas and name in self.book.loaded_on(r)]

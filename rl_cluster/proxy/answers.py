@@ -17,11 +17,15 @@ def error_response(
     return web.json_response(body, status=status)
 
 
-def no_active_replica(waited_s: float | None = None) -> web.Response:
+def no_active_replica(
+    waited_s: float | None = None, bound: str = "proxy.unavailable_timeout_s"
+) -> web.Response:
+    """503 for a call that found no active replica; `waited_s`, when it waited for one, is what it waited and
+    `bound` the setting that ended the wait."""
     if waited_s is None:
         return error_response(503, "no active replica", "ServiceUnavailableError")
     message = (
-        f"no generator replica has been active for {waited_s:.0f} s (proxy.unavailable_timeout_s): every "
+        f"no generator replica has been active for {waited_s:.0f} s ({bound}): every "
         "replica is down or restarting; see the generators' vLLM logs"
     )
     return error_response(503, message, "ServiceUnavailableError")

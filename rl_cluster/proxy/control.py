@@ -65,8 +65,8 @@ class ControlRoutes:
                 "load the adapter in place, set 'load_inplace' to True.",
                 "InvalidUserInput",
             )
-        except NoActiveReplica:
-            return no_active_replica(waited_s=self.config.unavailable_timeout_s)
+        except NoActiveReplica as e:
+            return no_active_replica(e.waited_s, e.bound)
         except LoadTimedOut as e:
             logger.error("%s", e)
             return error_response(504, str(e), "AdapterLoadTimeout")

@@ -101,6 +101,20 @@ async def test_a_load_whose_replica_left_while_it_waited_for_the_lock_waits_for_
     assert pool.book.is_routable("run-v2")
 
 
+async def test_a_load_that_found_no_replica_says_what_it_waited_and_which_setting_ended_it():
+    # Its 503 said "active for 300 s (proxy.unavailable_timeout_s)" whatever the load had waited.
+    from rl_cluster.proxy.answers import no_active_replica
+
+    pool = pool_of({"g0": Loader()})
+    pool.book.mark_unhealthy("g0")
+    error, took = await timed(pool.adapters.load("run-v2", "/bucket/run-v2"))
+    assert isinstance(error, NoActiveReplica) and error.bound == "proxy.load_timeout_s"
+    assert 0.25 < error.waited_s <= took  # it began its broadcast by 0.6 - 0.3 s, or never
+    answer = json.loads(no_active_replica(error.waited_s, error.bound).text)
+    said = f"no generator replica has been active for {error.waited_s:.0f} s (proxy.load_timeout_s)"
+    assert answer["error"]["message"].startswith(said) and error.waited_s < 2
+
+
 async def test_a_rollback_unloads_everywhere_at_once():
     # Three replicas took the version, one refused it: the three unload in one deadline, not three.
     loaders = {f"g{i}": Loader(unload_s=0.2) for i in range(3)} | {"g3": Loader(AdapterRejected("rank 64"))}
