@@ -96,7 +96,7 @@ async def vllm_servers(model_dir: Path, count: int, log_dir: Path,
     cores = os.cpu_count() or 1
     servers = [
         VLLMServer(
-            ServerSpec(model=str(model_dir), port=free_port(), cpu_core=i % cores, dtype=dtype),
+            ServerSpec(model=str(model_dir), port=free_port(), cpu_cores=(i % cores,), dtype=dtype),
             log_dir / f"vllm-{dtype}-r{i}.log",
         )
         for i in range(count)

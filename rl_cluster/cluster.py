@@ -267,7 +267,9 @@ def generator_actor(cluster: Cluster, replica_id: str):
         max_restarts=config.generator.max_restarts,
         num_cpus=0,
         num_gpus=config.generator.num_gpus,
-        resources={"generator": 1},
+        resources={
+            "generator": config.generator.tensor_parallel_size
+        },  # its devices: K per node, K // TP replicas
     ).remote(
         replica_id,
         config,

@@ -73,7 +73,10 @@ def connect(config: RunConfig) -> Connection:
         address="local",
         num_cpus=os.cpu_count(),
         # Room for the most generators the pool controller may run (a laptop has no autoscaler).
-        resources={"trainer": config.trainer.num_workers, "generator": config.generator.replica_bounds[1]},
+        resources={
+            "trainer": config.trainer.num_workers,
+            "generator": config.generator.replica_bounds[1] * config.generator.tensor_parallel_size,
+        },
         runtime_env=env,
     )
     return Connection(True, _dashboard(context))
@@ -92,7 +95,7 @@ def placement_requests(config: RunConfig) -> list[Request]:
         proxy.update(options["resources"])
     else:
         here = ray.get_runtime_context().get_node_id()
-    generator = {"generator": 1, "GPU": config.generator.num_gpus}
+    generator = {"generator": config.generator.tensor_parallel_size, "GPU": config.generator.num_gpus}
     t = config.trainer  # its ranks: on one node (STRICT_PACK), or as many as it takes (span_nodes: PACK)
     rank = {"trainer": 1, "CPU": t.num_cpus, "GPU": t.num_gpus}
     if t.span_nodes:

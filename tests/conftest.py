@@ -115,7 +115,8 @@ def vllm_servers(tiny_model_dir, tmp_path_factory) -> list[VLLMServer]:
     cores = os.cpu_count() or 1
     servers = [
         VLLMServer(
-            ServerSpec(model=str(tiny_model_dir), port=free_port(), cpu_core=i % cores), logs / f"r{i}.log"
+            ServerSpec(model=str(tiny_model_dir), port=free_port(), cpu_cores=(i % cores,)),
+            logs / f"r{i}.log",
         )
         for i in range(2)
     ]

@@ -8,6 +8,8 @@ from pydantic import Field, model_validator
 
 from rl_cluster.config.section import Section
 
+TP_FLAGS = ("--tensor-parallel-size", "-tp")
+
 
 class GeneratorConfig(Section):
     replicas: int = Field(2, ge=1)
@@ -25,9 +27,14 @@ class GeneratorConfig(Section):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """Share of GPU memory vLLM may use (CUDA build only)."""
     num_gpus: float = Field(0.0, ge=0)
-    """GPUs each generator actor reserves."""
+    """GPUs each generator actor reserves (with tensor parallelism: one per rank, `tensor_parallel_size`)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Devices one replica's vLLM server spans (`--tensor-parallel-size`): GPUs on the CUDA build, pinned
+    cores on the CPU build. A replica asks its node for this many `generator` resources, so a node with
+    `generator: K` holds K // tensor_parallel_size replicas."""
     pin_cpu_cores: bool = True
-    """On CPU, bind replica i's engine to core i mod cores, so two engines do not share a core."""
+    """On CPU, bind replica i's engine to cores of its own (i x tensor_parallel_size onwards, mod cores),
+    so two engines do not share a core."""
     startup_timeout_s: float = Field(300.0, gt=0)
     """Seconds a vLLM server may take to answer /health before the run fails."""
     max_restarts: int = Field(3, ge=0)
@@ -66,6 +73,22 @@ class GeneratorConfig(Section):
         """(min_replicas, max_replicas) with None read as `replicas`."""
         low = self.replicas if self.min_replicas is None else self.min_replicas
         return low, self.replicas if self.max_replicas is None else self.max_replicas
+
+    @model_validator(mode="after")
+    def _tensor_parallel_by_its_field(self) -> GeneratorConfig:
+        # The flag passed through would start a server over devices its actor never reserved.
+        if any(a in TP_FLAGS or a.startswith(tuple(f"{f}=" for f in TP_FLAGS)) for a in self.extra_args):
+            raise ValueError(
+                "generator.extra_args sets vLLM's tensor parallelism: set generator.tensor_parallel_size "
+                "instead (each replica then reserves its devices)"
+            )
+        if self.tensor_parallel_size > 1 and self.num_gpus not in (0, self.tensor_parallel_size):
+            raise ValueError(
+                f"generator.num_gpus={self.num_gpus:g} with generator.tensor_parallel_size="
+                f"{self.tensor_parallel_size}: a tensor-parallel replica reserves one GPU per rank, so set "
+                f"generator.num_gpus={self.tensor_parallel_size} (or 0 on CPUs)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _replicas_within_bounds(self) -> GeneratorConfig:

@@ -51,9 +51,12 @@ HEALTH_TIMEOUT = aiohttp.ClientTimeout(total=10)
 
 def server_spec(config: RunConfig, model_dir: str, replica_index: int, host: str, api_key: str) -> ServerSpec:
     """The vLLM server one replica runs: the run's model and generator settings, on a free port of `host`,
-    pinned to a core of its own on a CPU."""
+    pinned to cores of its own on a CPU (one per tensor-parallel rank)."""
     g, model = config.generator, config.model
     use_gpu = g.num_gpus > 0
+    tp, cores = g.tensor_parallel_size, os.cpu_count() or 1
+    # Replica i's ranks on cores i x TP onwards: two replicas of one host share no core (mod its cores).
+    pinned = tuple((replica_index * tp + rank) % cores for rank in range(tp))
     return ServerSpec(
         model=model_dir,
         port=stable_port(host),
@@ -65,7 +68,8 @@ def server_spec(config: RunConfig, model_dir: str, replica_index: int, host: str
         logprobs_mode=g.logprobs_mode,
         enable_prefix_caching=g.enable_prefix_caching,
         kv_cache_gb=g.kv_cache_gb,
-        cpu_core=(replica_index % (os.cpu_count() or 1)) if (g.pin_cpu_cores and not use_gpu) else None,
+        cpu_cores=pinned if (g.pin_cpu_cores and not use_gpu) else (),
+        tensor_parallel_size=tp,
         use_gpu=use_gpu,
         gpu_memory_utilization=g.gpu_memory_utilization,
         extra_args=tuple(g.extra_args),

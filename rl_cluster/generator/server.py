@@ -38,7 +38,9 @@ class ServerSpec:
     logprobs_mode: str = "processed_logprobs"
     enable_prefix_caching: bool = True
     kv_cache_gb: int = 1
-    cpu_core: int | None = None
+    cpu_cores: tuple[int, ...] = ()
+    """CPU build: the cores its engine's workers are bound to, one per tensor-parallel rank; (): unbound."""
+    tensor_parallel_size: int = 1
     use_gpu: bool = False
     gpu_memory_utilization: float = 0.9
     extra_args: tuple[str, ...] = field(default_factory=tuple)
@@ -63,6 +65,8 @@ class ServerSpec:
             "--logprobs-mode", self.logprobs_mode,
             "--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching",
         ]  # fmt: skip
+        if self.tensor_parallel_size > 1:
+            cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         if self.use_gpu:
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         else:
@@ -80,8 +84,8 @@ class ServerSpec:
             VLLM_ALLOW_RUNTIME_LORA_UPDATING="1",  # /v1/load_lora_adapter, /v1/unload_lora_adapter
             VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gb),
         )
-        if self.cpu_core is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
+        if self.cpu_cores:  # vLLM's CPU build: one core list per tensor-parallel rank, separated by "|"
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, self.cpu_cores))
         env.pop(API_KEY_ENV, None)
         if self.api_key:
             env[API_KEY_ENV] = self.api_key

@@ -9,6 +9,7 @@ import contextlib
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -17,6 +18,7 @@ from conftest import publish_lora, the_runs_process, tiny_run_config, vllm_pids_
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.cluster import start_proxy
+from rl_cluster.config import load_config
 from rl_cluster.errors import AdapterRejected
 from rl_cluster.generator.actor import GeneratorActor
 from rl_cluster.pool import start_pool
@@ -26,13 +28,21 @@ pytestmark = pytest.mark.vllm
 
 
 async def test_generator_verifies_loads_and_dies_cleanly(marked_ray, tiny_model_dir, tmp_path):
+    """On one replica over both cores (generator.tensor_parallel_size=2: two vLLM workers, one per core),
+    which the gate, loads and the process tree treat as any replica. A killed TP worker takes its server
+    down, and the actor restarts the whole server."""
     run = "gen-test"
-    config = tiny_run_config(run, tiny_model_dir, tmp_path)
+    config = load_config(None, [f"run_name={run}", f"model.path={tiny_model_dir}",
+                                f"bucket.uri={tmp_path / 'bucket'}", "generator.replicas=1",
+                                "generator.tensor_parallel_size=2", "generator.restart_backoff_s=0.1"])  # fmt: skip
     bucket = Bucket(config.bucket.uri)
     uris = {version: publish_lora(bucket, run, version, tiny_model_dir, tmp_path) for version in (1, 2)}
-    actor = GeneratorActor.options(num_cpus=0, resources={"generator": 1}).remote("g0", config, str(tmp_path))
+    actor = GeneratorActor.options(num_cpus=0, resources={"generator": 2}).remote("g0", config, str(tmp_path))
     url = await actor.start.remote(0)
     assert vllm_pids_with(marked_ray), "the actor's vLLM server should be running"
+    workers = tp_workers(marked_ray)
+    assert len(workers) == 2, workers  # one per rank, bound to cores 0 and 1
+    assert sorted(os.sched_getaffinity(pid) for pid in workers.values()) == [{0}, {1}], workers
 
     await actor.load_adapter.remote(f"{run}-v1", uris[1])
     prompt = {"model": f"{run}-v1", "prompt": "1+2=", "max_tokens": 4, "temperature": 0}
@@ -49,9 +59,35 @@ async def test_generator_verifies_loads_and_dies_cleanly(marked_ray, tiny_model_
     assert {m["id"] for m in models} >= {f"{run}-v1"} and f"{run}-v2" not in {m["id"] for m in models}
     assert requests.post(f"{url}/v1/completions", json=prompt, timeout=60).status_code == 200
 
+    # One TP worker SIGKILLed: the server cannot serve on half a model; the actor restarts all of it.
+    os.kill(workers["TP1"], signal.SIGKILL)
+    deadline = time.monotonic() + 240
+    while (await actor.condition.remote())["restarts"] < 1 and time.monotonic() < deadline:
+        await asyncio.sleep(1)
+    assert (await actor.condition.remote())["restarts"] == 1
+    while time.monotonic() < deadline:  # serving again, on two new workers
+        with contextlib.suppress(requests.RequestException):
+            if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                break
+        await asyncio.sleep(1)
+    base = {**prompt, "model": config.model.path}  # its adapters come back with the proxy's catch-up
+    assert requests.post(f"{url}/v1/completions", json=base, timeout=60).status_code == 200
+    assert len(again := tp_workers(marked_ray)) == 2 and not set(again.values()) & set(workers.values())
+
     # Killed without a shutdown call (as `ray.kill` or a dead node would): the watchdog ends vLLM.
     ray.kill(actor)
     assert not wait_until_no_vllm_with(marked_ray), "vLLM outlived its actor"
+
+
+def tp_workers(marker: str) -> dict[str, int]:
+    """{"TP0": pid, ...}: the vLLM workers of the test's servers (vLLM names them VLLM::Worker_TP<rank>)."""
+    found = {}
+    for pid in vllm_pids_with(marker):
+        with contextlib.suppress(OSError):
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            if name.startswith("VLLM::Worker"):
+                found[name.rsplit("_", 1)[-1]] = pid
+    return found
 
 
 async def wait_serving(pool, replicas: list[str], timeout_s: float = 180) -> None:

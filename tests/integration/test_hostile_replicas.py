@@ -235,7 +235,7 @@ def bf16_server(tiny_model_dir, tmp_path_factory):
     from rl_cluster.generator.server import ServerSpec, VLLMServer
 
     server = VLLMServer(
-        ServerSpec(model=str(tiny_model_dir), port=free_port(), dtype="bfloat16", cpu_core=0),
+        ServerSpec(model=str(tiny_model_dir), port=free_port(), dtype="bfloat16", cpu_cores=(0,)),
         tmp_path_factory.mktemp("vllm-bf16") / "vllm.log",
     )
     try:

@@ -148,7 +148,7 @@ async def test_unhealthy_replica_leaves_routing_and_catches_up(vllm_servers, ada
 def doomed_server(tiny_model_dir, tmp_path):
     """A third, private vLLM server, for a test that kills it."""
     server = VLLMServer(
-        ServerSpec(model=str(tiny_model_dir), port=free_port(), cpu_core=0), tmp_path / "doomed.log"
+        ServerSpec(model=str(tiny_model_dir), port=free_port(), cpu_cores=(0,)), tmp_path / "doomed.log"
     )
     server.start()
     try:

@@ -257,3 +257,20 @@ def test_a_context_that_fits_and_a_budget_that_holds_it_pass():
     c = load_config(None, ["run_name=t", "model.max_model_len=4096", "trainer.max_new_tokens=4095",
                            "trainer.token_budget=4096"])  # fmt: skip
     assert (c.trainer.max_new_tokens, c.trainer.token_budget) == (4095, 4096)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["generator.tensor_parallel_size=2", "generator.num_gpus=1"], r"reserves one GPU per rank, so set "
+         r"generator\.num_gpus=2 \(or 0 on CPUs\)"),
+        (['generator.extra_args=["--tensor-parallel-size", "2"]'], r"set generator\.tensor_parallel_size"),
+        (['generator.extra_args=["-tp=2"]'], r"set generator\.tensor_parallel_size"),
+    ],
+)  # fmt: skip
+def test_tensor_parallelism_is_set_by_its_field_with_a_gpu_per_rank(overrides, message):
+    with pytest.raises(ValidationError, match=message):
+        load_config(None, overrides)
+    tp = load_config(None, ["generator.tensor_parallel_size=4", "generator.num_gpus=4"]).generator
+    assert (tp.tensor_parallel_size, tp.num_gpus) == (4, 4)
+    assert load_config(None, ["generator.num_gpus=0.5"]).generator.num_gpus == 0.5  # TP 1 may share a GPU

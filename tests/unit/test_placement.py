@@ -110,3 +110,11 @@ def test_a_job_package_directory_is_recognised():
 def test_relative_bucket_uris():
     assert is_relative_directory("bucket") and is_relative_directory("./b") and is_relative_directory("~/b")
     assert not is_relative_directory("/mnt/rl-bucket") and not is_relative_directory("s3://b/runs")
+
+
+def test_a_tensor_parallel_replica_needs_a_node_with_as_many_generator_devices():
+    tp2 = [Request("generator", {"generator": 2, "GPU": 2.0})]
+    assert unplaceable(tp2, {"g": {"CPU": 8.0, "GPU": 1.0, "generator": 1.0}}) == {
+        "generator": ["generator", "GPU"]
+    }
+    assert unplaceable(tp2, {"g": {"CPU": 8.0, "GPU": 8.0, "generator": 8.0}}) == {}

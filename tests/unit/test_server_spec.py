@@ -43,7 +43,7 @@ def test_the_key_is_in_the_environment_only():
 
 
 def test_environment_enables_runtime_lora_and_pins_a_core():
-    env = ServerSpec(model="/m", port=9, cpu_core=1, kv_cache_gb=2).environment()
+    env = ServerSpec(model="/m", port=9, cpu_cores=(1,), kv_cache_gb=2).environment()
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1" and env["VLLM_SERVER_DEV_MODE"] == "1"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
 
@@ -132,3 +132,23 @@ def test_cpu_servers_prefill_each_prompt_in_one_step():
     assert long[long.index("--max-num-batched-tokens") + 1] == "8192"
     gpu = ServerSpec(model="/m", port=9, use_gpu=True).command()
     assert "--no-enable-chunked-prefill" not in gpu and "--max-num-batched-tokens" not in gpu
+
+
+def test_a_tensor_parallel_replica_binds_one_core_per_rank_and_replicas_share_none(monkeypatch):
+    """vLLM's CPU build takes one core list per tensor-parallel rank in VLLM_CPU_OMP_THREADS_BIND ("0|1");
+    replica i's ranks take cores i x TP onwards, so two TP-2 replicas of a 4-core host take 0|1 and 2|3."""
+    from rl_cluster.config import load_config
+    from rl_cluster.generator.actor import server_spec
+
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    config = load_config(None, ["generator.tensor_parallel_size=2"])
+    specs = [server_spec(config, "/m", i, "127.0.0.1", "key") for i in range(2)]
+    assert [s.environment()["VLLM_CPU_OMP_THREADS_BIND"] for s in specs] == ["0|1", "2|3"]
+    assert " ".join(specs[0].command()).count("--tensor-parallel-size 2") == 1
+    one = server_spec(load_config(None, []), "/m", 3, "127.0.0.1", "key")
+    assert (
+        one.environment()["VLLM_CPU_OMP_THREADS_BIND"] == "3"
+        and "--tensor-parallel-size" not in one.command()
+    )
+    gpu = load_config(None, ["generator.tensor_parallel_size=2", "generator.num_gpus=2"])
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in server_spec(gpu, "/m", 0, "127.0.0.1", "key").environment()
