@@ -80,13 +80,14 @@ async def test_generator_verifies_loads_and_dies_cleanly(marked_ray, tiny_model_
 
 
 def tp_workers(marker: str) -> dict[str, int]:
-    """{"TP0": pid, ...}: the vLLM workers of the test's servers (vLLM names them VLLM::Worker_TP<rank>)."""
+    """{"TP0": pid, ...}: the vLLM workers of the test's servers, titled VLLM::Worker_TP<rank> (in full on
+    their command line; `comm` keeps 15 characters)."""
     found = {}
     for pid in vllm_pids_with(marker):
         with contextlib.suppress(OSError):
-            name = Path(f"/proc/{pid}/comm").read_text().strip()
-            if name.startswith("VLLM::Worker"):
-                found[name.rsplit("_", 1)[-1]] = pid
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+            if title.startswith("VLLM::Worker"):
+                found[title.rsplit("_", 1)[-1]] = pid
     return found
 
 
