@@ -316,32 +316,13 @@ async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
     router_core = {cores[0]} if len(cores) > 1 else None
     load_core = {cores[-1]} if len(cores) > 1 else None
     n, many = plan.capacity_upstreams, plan.capacity_many_upstreams
-    notes = []
     async with contextlib.AsyncExitStack() as stack:
         stubs = await stack.enter_async_context(
             json_service(["-m", "bench.capacity", "stubs", str(max(n, many))], log_dir / "stubs.log",
                          cores=load_core)
         )  # fmt: skip
         stubs_pid = pid_serving(stubs[0])
-        paths = {}
-        # Ours on the first n stubs (the row every other is compared with), and on `many` of them: what the
-        # per-request cost does as the replica count grows.
-        for size in (n, many):
-            paths[f"rl_cluster proxy ({size} upstreams)"] = await stack.enter_async_context(
-                proxy_process(
-                    {f"s{i}": u for i, u in enumerate(stubs[:size])}, log_dir / f"proxy-{size}.log",
-                    cores=router_core,
-                )
-            )  # fmt: skip
-        if vllm_router_available():
-            paths[f"vllm-router, cache_aware ({n} upstreams)"] = await stack.enter_async_context(
-                vllm_router(stubs[:n], "cache_aware", log_dir / "vllm-router.log", cores=router_core)
-            )
-        else:
-            notes.append("vllm-router is not installed: its row is missing.")
-        paths["aiohttp pass-through (1 upstream)"] = await stack.enter_async_context(
-            proxy_process({"s0": stubs[0]}, log_dir / "passthrough.log", passthrough=True, cores=router_core)
-        )
+        paths, notes = await _start_routers(stack, stubs, n, many, log_dir, router_core)
         labels = list(paths)
         runs: dict[str, list[dict]] = {label: [] for label in labels}
         for url in paths.values():  # warm-up, not counted: connection pools, the first requests' costs
@@ -357,20 +338,7 @@ async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
                     )
                 runs[label].append(result)
     ours = [r["requests_per_s"] for r in runs[labels[0]]]
-    rows = []
-    for label in labels:
-        rs = runs[label]
-        rows.append(
-            {
-                "router": label,
-                "requests_per_s": median([r["requests_per_s"] for r in rs]),
-                "vs_ours": median([r["requests_per_s"] / o for r, o in zip(rs, ours, strict=True)]),
-                "p50_ms": median([r["p50_ms"] for r in rs]),
-                "router_cpu_share": median([r.get("router_cpu_share", float("nan")) for r in rs]),
-                "load_cpu_share": median([r["load_cpu_share"] for r in rs]),
-                "reps": len(rs),
-            }
-        )
+    rows = [_row(label, runs[label], ours) for label in labels]
     return {
         "rows": rows,
         "notes": notes,
@@ -384,6 +352,45 @@ async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
         },
         "seed": seed_request_rate(),
         "runs": runs,
+    }
+
+
+async def _start_routers(stack: contextlib.AsyncExitStack, stubs: list[str], n: int, many: int, log_dir,
+                         cores: set[int] | None) -> tuple[dict[str, str], list[str]]:  # fmt: skip
+    """Every router on the stubs, for as long as `stack` holds them (label -> URL; ours first), and notes
+    on those this machine cannot run."""
+    notes = []
+    paths = {}
+    # Ours on the first n stubs (the row every other is compared with), and on `many` of them: what the
+    # per-request cost does as the replica count grows.
+    for size in (n, many):
+        paths[f"rl_cluster proxy ({size} upstreams)"] = await stack.enter_async_context(
+            proxy_process(
+                {f"s{i}": u for i, u in enumerate(stubs[:size])}, log_dir / f"proxy-{size}.log", cores=cores,
+            )
+        )  # fmt: skip
+    if vllm_router_available():
+        paths[f"vllm-router, cache_aware ({n} upstreams)"] = await stack.enter_async_context(
+            vllm_router(stubs[:n], "cache_aware", log_dir / "vllm-router.log", cores=cores)
+        )
+    else:
+        notes.append("vllm-router is not installed: its row is missing.")
+    paths["aiohttp pass-through (1 upstream)"] = await stack.enter_async_context(
+        proxy_process({"s0": stubs[0]}, log_dir / "passthrough.log", passthrough=True, cores=cores)
+    )
+    return paths, notes
+
+
+def _row(label: str, rs: list[dict], ours: list[float]) -> dict:
+    """A router's row: medians over rounds, its rate against ours paired by round."""
+    return {
+        "router": label,
+        "requests_per_s": median([r["requests_per_s"] for r in rs]),
+        "vs_ours": median([r["requests_per_s"] / o for r, o in zip(rs, ours, strict=True)]),
+        "p50_ms": median([r["p50_ms"] for r in rs]),
+        "router_cpu_share": median([r.get("router_cpu_share", float("nan")) for r in rs]),
+        "load_cpu_share": median([r["load_cpu_share"] for r in rs]),
+        "reps": len(rs),
     }
 
 
