@@ -31,55 +31,12 @@ from bench.common import (
     vllm_router,
     vllm_router_available,
 )
+from bench.http1 import response, take_message
 
 STUB_MODEL = "stub-model"
 PROMPT_TOKENS = 185  # the bench's GRPO prompt length
 DISTINCT_PROMPTS = 256
 GROUP_SIZE = 8  # consecutive requests share a prompt, as a GRPO group's G samples do
-
-# -- a minimal HTTP/1.1 message parser (both sides) -----------------------------------------------------
-
-
-def take_message(buf: bytearray) -> tuple[str, dict[str, str], bytes, int] | None:
-    """(first line, lower-cased headers, body, bytes used) of the first whole message in `buf`, or None
-    while it is incomplete. Bodies by Content-Length or chunked; nothing else is needed here."""
-    end = buf.find(b"\r\n\r\n")
-    if end < 0:
-        return None
-    lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
-    headers = {}
-    for line in lines[1:]:
-        key, _, value = line.partition(":")
-        headers[key.strip().lower()] = value.strip()
-    start = end + 4
-    if headers.get("transfer-encoding", "").lower() == "chunked":
-        body, pos = bytearray(), start
-        while True:
-            eol = buf.find(b"\r\n", pos)
-            if eol < 0:
-                return None
-            size = int(bytes(buf[pos:eol]).split(b";")[0], 16)
-            if size == 0:
-                if len(buf) < eol + 4:
-                    return None
-                return lines[0], headers, bytes(body), eol + 4
-            if len(buf) < eol + 2 + size + 2:
-                return None
-            body += buf[eol + 2 : eol + 2 + size]
-            pos = eol + 2 + size + 2
-    length = int(headers.get("content-length", 0))
-    if len(buf) < start + length:
-        return None
-    return lines[0], headers, bytes(buf[start : start + length]), start + length
-
-
-def _response(status: int, body: bytes, content_type: str = "application/json") -> bytes:
-    reason = {200: "OK", 404: "Not Found"}[status]
-    head = (
-        f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
-
 
 # -- stub upstreams ------------------------------------------------------------------------------------
 
@@ -109,11 +66,11 @@ class _Stub(asyncio.Protocol):
     def __init__(self, counts: list[int], index: int):
         self.counts, self.index = counts, index
         self.answers = {
-            "/v1/completions": _response(200, _completion_answer()),
-            "/v1/chat/completions": _response(200, _completion_answer()),
-            "/v1/models": _response(200, json.dumps(MODELS).encode()),
-            "/health": _response(200, b""),
-            "/server_info": _response(200, json.dumps(SERVER_INFO).encode()),
+            "/v1/completions": response(200, _completion_answer()),
+            "/v1/chat/completions": response(200, _completion_answer()),
+            "/v1/models": response(200, json.dumps(MODELS).encode()),
+            "/health": response(200, b""),
+            "/server_info": response(200, json.dumps(SERVER_INFO).encode()),
         }
         self.buf = bytearray()
 
@@ -127,12 +84,12 @@ class _Stub(asyncio.Protocol):
             del self.buf[:used]
             path = first.split(" ", 2)[1].split("?", 1)[0]
             if path == "/_stub/count":
-                self.transport.write(_response(200, json.dumps(self.counts[self.index]).encode()))
+                self.transport.write(response(200, json.dumps(self.counts[self.index]).encode()))
                 continue
             if path.endswith("/completions"):
                 self.counts[self.index] += 1
             # Any other GET a router probes (server info, metrics) gets an empty JSON object.
-            self.transport.write(self.answers.get(path) or _response(200, b"{}"))
+            self.transport.write(self.answers.get(path) or response(200, b"{}"))
 
 
 async def serve_stubs(count: int) -> None:
