@@ -31,55 +31,12 @@ from bench.common import (
     vllm_router,
     vllm_router_available,
 )
+from bench.http1 import response, take_message
 
 STUB_MODEL = "stub-model"
 PROMPT_TOKENS = 185  # the bench's GRPO prompt length
 DISTINCT_PROMPTS = 256
 GROUP_SIZE = 8  # consecutive requests share a prompt, as a GRPO group's G samples do
-
-# -- a minimal HTTP/1.1 message parser (both sides) -----------------------------------------------------
-
-
-def take_message(buf: bytearray) -> tuple[str, dict[str, str], bytes, int] | None:
-    """(first line, lower-cased headers, body, bytes used) of the first whole message in `buf`, or None
-    while it is incomplete. Bodies by Content-Length or chunked; nothing else is needed here."""
-    end = buf.find(b"\r\n\r\n")
-    if end < 0:
-        return None
-    lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
-    headers = {}
-    for line in lines[1:]:
-        key, _, value = line.partition(":")
-        headers[key.strip().lower()] = value.strip()
-    start = end + 4
-    if headers.get("transfer-encoding", "").lower() == "chunked":
-        body, pos = bytearray(), start
-        while True:
-            eol = buf.find(b"\r\n", pos)
-            if eol < 0:
-                return None
-            size = int(bytes(buf[pos:eol]).split(b";")[0], 16)
-            if size == 0:
-                if len(buf) < eol + 4:
-                    return None
-                return lines[0], headers, bytes(body), eol + 4
-            if len(buf) < eol + 2 + size + 2:
-                return None
-            body += buf[eol + 2 : eol + 2 + size]
-            pos = eol + 2 + size + 2
-    length = int(headers.get("content-length", 0))
-    if len(buf) < start + length:
-        return None
-    return lines[0], headers, bytes(buf[start : start + length]), start + length
-
-
-def _response(status: int, body: bytes, content_type: str = "application/json") -> bytes:
-    reason = {200: "OK", 404: "Not Found"}[status]
-    head = (
-        f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
-
 
 # -- stub upstreams ------------------------------------------------------------------------------------
 
@@ -109,11 +66,11 @@ class _Stub(asyncio.Protocol):
     def __init__(self, counts: list[int], index: int):
         self.counts, self.index = counts, index
         self.answers = {
-            "/v1/completions": _response(200, _completion_answer()),
-            "/v1/chat/completions": _response(200, _completion_answer()),
-            "/v1/models": _response(200, json.dumps(MODELS).encode()),
-            "/health": _response(200, b""),
-            "/server_info": _response(200, json.dumps(SERVER_INFO).encode()),
+            "/v1/completions": response(200, _completion_answer()),
+            "/v1/chat/completions": response(200, _completion_answer()),
+            "/v1/models": response(200, json.dumps(MODELS).encode()),
+            "/health": response(200, b""),
+            "/server_info": response(200, json.dumps(SERVER_INFO).encode()),
         }
         self.buf = bytearray()
 
@@ -127,12 +84,12 @@ class _Stub(asyncio.Protocol):
             del self.buf[:used]
             path = first.split(" ", 2)[1].split("?", 1)[0]
             if path == "/_stub/count":
-                self.transport.write(_response(200, json.dumps(self.counts[self.index]).encode()))
+                self.transport.write(response(200, json.dumps(self.counts[self.index]).encode()))
                 continue
             if path.endswith("/completions"):
                 self.counts[self.index] += 1
             # Any other GET a router probes (server info, metrics) gets an empty JSON object.
-            self.transport.write(self.answers.get(path) or _response(200, b"{}"))
+            self.transport.write(self.answers.get(path) or response(200, b"{}"))
 
 
 async def serve_stubs(count: int) -> None:
@@ -316,32 +273,13 @@ async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
     router_core = {cores[0]} if len(cores) > 1 else None
     load_core = {cores[-1]} if len(cores) > 1 else None
     n, many = plan.capacity_upstreams, plan.capacity_many_upstreams
-    notes = []
     async with contextlib.AsyncExitStack() as stack:
         stubs = await stack.enter_async_context(
             json_service(["-m", "bench.capacity", "stubs", str(max(n, many))], log_dir / "stubs.log",
                          cores=load_core)
         )  # fmt: skip
         stubs_pid = pid_serving(stubs[0])
-        paths = {}
-        # Ours on the first n stubs (the row every other is compared with), and on `many` of them: what the
-        # per-request cost does as the replica count grows.
-        for size in (n, many):
-            paths[f"rl_cluster proxy ({size} upstreams)"] = await stack.enter_async_context(
-                proxy_process(
-                    {f"s{i}": u for i, u in enumerate(stubs[:size])}, log_dir / f"proxy-{size}.log",
-                    cores=router_core,
-                )
-            )  # fmt: skip
-        if vllm_router_available():
-            paths[f"vllm-router, cache_aware ({n} upstreams)"] = await stack.enter_async_context(
-                vllm_router(stubs[:n], "cache_aware", log_dir / "vllm-router.log", cores=router_core)
-            )
-        else:
-            notes.append("vllm-router is not installed: its row is missing.")
-        paths["aiohttp pass-through (1 upstream)"] = await stack.enter_async_context(
-            proxy_process({"s0": stubs[0]}, log_dir / "passthrough.log", passthrough=True, cores=router_core)
-        )
+        paths, notes = await _start_routers(stack, stubs, n, many, log_dir, router_core)
         labels = list(paths)
         runs: dict[str, list[dict]] = {label: [] for label in labels}
         for url in paths.values():  # warm-up, not counted: connection pools, the first requests' costs
@@ -357,20 +295,7 @@ async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
                     )
                 runs[label].append(result)
     ours = [r["requests_per_s"] for r in runs[labels[0]]]
-    rows = []
-    for label in labels:
-        rs = runs[label]
-        rows.append(
-            {
-                "router": label,
-                "requests_per_s": median([r["requests_per_s"] for r in rs]),
-                "vs_ours": median([r["requests_per_s"] / o for r, o in zip(rs, ours, strict=True)]),
-                "p50_ms": median([r["p50_ms"] for r in rs]),
-                "router_cpu_share": median([r.get("router_cpu_share", float("nan")) for r in rs]),
-                "load_cpu_share": median([r["load_cpu_share"] for r in rs]),
-                "reps": len(rs),
-            }
-        )
+    rows = [_row(label, runs[label], ours) for label in labels]
     return {
         "rows": rows,
         "notes": notes,
@@ -384,6 +309,45 @@ async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
         },
         "seed": seed_request_rate(),
         "runs": runs,
+    }
+
+
+async def _start_routers(stack: contextlib.AsyncExitStack, stubs: list[str], n: int, many: int, log_dir,
+                         cores: set[int] | None) -> tuple[dict[str, str], list[str]]:  # fmt: skip
+    """Every router on the stubs, for as long as `stack` holds them (label -> URL; ours first), and notes
+    on those this machine cannot run."""
+    notes = []
+    paths = {}
+    # Ours on the first n stubs (the row every other is compared with), and on `many` of them: what the
+    # per-request cost does as the replica count grows.
+    for size in (n, many):
+        paths[f"rl_cluster proxy ({size} upstreams)"] = await stack.enter_async_context(
+            proxy_process(
+                {f"s{i}": u for i, u in enumerate(stubs[:size])}, log_dir / f"proxy-{size}.log", cores=cores,
+            )
+        )  # fmt: skip
+    if vllm_router_available():
+        paths[f"vllm-router, cache_aware ({n} upstreams)"] = await stack.enter_async_context(
+            vllm_router(stubs[:n], "cache_aware", log_dir / "vllm-router.log", cores=cores)
+        )
+    else:
+        notes.append("vllm-router is not installed: its row is missing.")
+    paths["aiohttp pass-through (1 upstream)"] = await stack.enter_async_context(
+        proxy_process({"s0": stubs[0]}, log_dir / "passthrough.log", passthrough=True, cores=cores)
+    )
+    return paths, notes
+
+
+def _row(label: str, rs: list[dict], ours: list[float]) -> dict:
+    """A router's row: medians over rounds, its rate against ours paired by round."""
+    return {
+        "router": label,
+        "requests_per_s": median([r["requests_per_s"] for r in rs]),
+        "vs_ours": median([r["requests_per_s"] / o for r, o in zip(rs, ours, strict=True)]),
+        "p50_ms": median([r["p50_ms"] for r in rs]),
+        "router_cpu_share": median([r.get("router_cpu_share", float("nan")) for r in rs]),
+        "load_cpu_share": median([r["load_cpu_share"] for r in rs]),
+        "reps": len(rs),
     }
 
 

@@ -12,17 +12,17 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
+from loopback import free_port
 from rl_cluster.generator.server import ServerSpec, VLLMServer, terminate_group
 from rl_cluster.generator.vllm_compat import without_seed
 
@@ -35,13 +35,6 @@ SYSTEM_PROMPT = (
 )
 USER_CHARS = 60
 HTTP_TIMEOUT = aiohttp.ClientTimeout(total=600)
-
-
-def free_port() -> int:
-    """A free TCP port on loopback (the tests' conftest uses this one too)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def median(values: Sequence[float]) -> float:
@@ -264,53 +257,6 @@ async def request_stream(
         groups_in_flight=concurrency,
         group_size=1,
     )
-
-
-# -- an S3 API on loopback ------------------------------------------------------------------------------
-
-# moto accepts any credentials; s3fs and boto3 insist on some.
-S3_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
-
-
-@contextlib.contextmanager
-def moto_s3(bucket: str, log_path: Path | None = None) -> Iterator[str]:
-    """A real S3-compatible server (moto) on a free loopback port with one bucket; yields its endpoint and
-    always stops it (process group). Whoever then reads it through s3fs needs S3_ENV in the environment."""
-    import boto3
-
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    with contextlib.ExitStack() as files:
-        if log_path is None:
-            log = subprocess.DEVNULL
-        else:
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            log = files.enter_context(open(log_path, "ab"))
-        process = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-p", str(port), "-H", "127.0.0.1"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-    try:
-        credentials = {"aws_access_key_id": S3_ENV["AWS_ACCESS_KEY_ID"],
-                       "aws_secret_access_key": S3_ENV["AWS_SECRET_ACCESS_KEY"]}  # fmt: skip
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **credentials)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                client.create_bucket(Bucket=bucket)  # no location constraint: moto refuses one
-                break
-            except Exception:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise
-                time.sleep(0.1)
-        yield endpoint
-    finally:
-        terminate_group(process.pid, grace_s=5)
-        process.wait()
 
 
 # -- vllm-router ----------------------------------------------------------------------------------------

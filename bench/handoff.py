@@ -19,7 +19,8 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.common import HTTP_TIMEOUT, S3_ENV, median, moto_s3, quantile
+from bench.common import HTTP_TIMEOUT, median, quantile
+from loopback import S3_ENV, moto_s3
 from rl_cluster.bucket import Bucket
 from rl_cluster.config import ProxyConfig
 from rl_cluster.core.manifest import AdapterMeta

@@ -42,26 +42,13 @@ def loads(tokenizer) -> dict[str, list[int]]:
 
 async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
     server_url = servers[0].url
-    notes = []
     prompts = loads(tokenizer)
     # Many short rounds rather than a few long ones: the paths of one round run within seconds of each
     # other, so a slow phase of the shared machine lands on all of them, and the medians are over more pairs.
     count = max(8, plan.overhead_requests // 8)
     rounds = plan.reps * 8
     async with contextlib.AsyncExitStack() as stack, aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as session:
-        paths = {DIRECT: server_url}
-        paths[FLOOR] = await stack.enter_async_context(
-            proxy_process({"r0": server_url}, log_dir / "passthrough-overhead.log", passthrough=True)
-        )
-        paths[OURS] = await stack.enter_async_context(
-            proxy_process({"r0": server_url}, log_dir / "proxy-overhead.log")
-        )
-        if vllm_router_available():
-            paths[ROUTER] = await stack.enter_async_context(
-                vllm_router([server_url], "cache_aware", log_dir / "vllm-router-overhead.log")
-            )
-        else:
-            notes.append("vllm-router is not installed: its row is missing.")
+        paths, notes = await _start_paths(stack, server_url, log_dir)
         labels = list(paths)
         runs: dict[str, dict[str, list[dict]]] = {load: {label: [] for label in labels} for load in prompts}
         # One warm-up pass per path and prompt: connection pools, the server's cache of the prompt.
@@ -75,23 +62,8 @@ async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
         for rep in range(rounds):
             for load, prompt in prompts.items():
                 for label in labels[rep % len(labels) :] + labels[: rep % len(labels)]:
-                    result = await request_stream(
-                        session,
-                        paths[label],
-                        str(model_dir),
-                        prompt,
-                        count=count,
-                        concurrency=plan.overhead_concurrency,
-                        max_tokens=MAX_TOKENS,
-                    )
-                    if result.errors:
-                        raise RuntimeError(f"{label}: {result.errors} requests failed: {result.first_error}")
                     runs[load][label].append(
-                        {
-                            "throughput": result.throughput,
-                            "p50_ms": 1000 * quantile(result.latencies_s, 0.5),
-                            "p99_ms": 1000 * quantile(result.latencies_s, 0.99),
-                        }
+                        await _measure(session, label, paths[label], str(model_dir), prompt, count, plan)
                     )
     rows = [row(load, label, runs[load]) for load in prompts for label in labels]
     return {
@@ -106,6 +78,42 @@ async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
         },
         "goal": goal(runs),
         "runs": runs,
+    }
+
+
+async def _start_paths(
+    stack: contextlib.AsyncExitStack, server_url: str, log_dir
+) -> tuple[dict[str, str], list[str]]:
+    """Every path to the one server, for as long as `stack` holds them (label -> URL), and notes on those
+    this machine cannot run."""
+    notes = []
+    paths = {DIRECT: server_url}
+    paths[FLOOR] = await stack.enter_async_context(
+        proxy_process({"r0": server_url}, log_dir / "passthrough-overhead.log", passthrough=True)
+    )
+    paths[OURS] = await stack.enter_async_context(
+        proxy_process({"r0": server_url}, log_dir / "proxy-overhead.log")
+    )
+    if vllm_router_available():
+        paths[ROUTER] = await stack.enter_async_context(
+            vllm_router([server_url], "cache_aware", log_dir / "vllm-router-overhead.log")
+        )
+    else:
+        notes.append("vllm-router is not installed: its row is missing.")
+    return paths, notes
+
+
+async def _measure(session, label: str, url: str, model: str, prompt: list[int], count: int, plan) -> dict:
+    """One path's share of a round: `count` requests of the prompt; a failed request fails the benchmark."""
+    result = await request_stream(
+        session, url, model, prompt, count=count, concurrency=plan.overhead_concurrency, max_tokens=MAX_TOKENS
+    )
+    if result.errors:
+        raise RuntimeError(f"{label}: {result.errors} requests failed: {result.first_error}")
+    return {
+        "throughput": result.throughput,
+        "p50_ms": 1000 * quantile(result.latencies_s, 0.5),
+        "p99_ms": 1000 * quantile(result.latencies_s, 0.99),
     }
 
 

@@ -2,39 +2,18 @@
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
-PLACEHOLDER = "n/a"
-
-
-def num(value, spec: str = ".2f") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return PLACEHOLDER
-    return format(value, spec)
-
-
-def pct(value) -> str:
-    return PLACEHOLDER if value is None or value != value else f"{100 * value:.1f}%"
-
-
-def span(bounds) -> str:
-    low, high = bounds
-    return f"{num(low, '.1f')}-{num(high, '.1f')}"
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def provenance(info: dict, command: str) -> str:
-    return (
-        f"<sub>Machine: {info['cores']} cores, {info['cpu']}, no GPU · {info['date']} · "
-        f"{info['versions']} · python {info['python']} · command: `{command}`</sub>"
-    )
+from bench import trainer_ranks
+from bench.markdown import failure_section, num, pct, provenance, span, table
+from bench.plots import draw_all
+from bench.report_scale import (
+    broadcast_section,
+    capacity_section,
+    pool_step_section,
+    routing_at_scale_section,
+)
 
 
 def routing_section(r: dict) -> str:
@@ -101,30 +80,7 @@ def overhead_section(r: dict) -> str:
     header = ["path", "load", "requests/s", "vs direct", "vs pass-through", "p50 ms", "added p50 ms",
               "p50 vs pass-through ms", "added p99 ms"]  # fmt: skip
     tokens = ", ".join(f"{name}: {n} tokens" for name, n in load["prompt_tokens"].items())
-    verdicts = []
-    for name, g in r.get("goal", {}).items():
-        router = g["throughput_vs_router"]
-
-        def spread(key: str, spec: str = ".2f", unit: str = "x", g: dict = g) -> str:
-            low, high = g.get(f"{key}_middle") or (None, None)
-            return (
-                ""
-                if low is None
-                else f" (middle half of the rounds: {num(low, spec)} to {num(high, spec)}{unit})"
-            )
-
-        verdicts.append(
-            f"- {name}: our proxy runs at {num(g['throughput_vs_floor'])}x the pass-through's throughput"
-            f"{spread('throughput_vs_floor')} (goal: at least 0.98x) with {num(g['p50_vs_floor_ms'], '+.2f')} ms "
-            f"of p50 over it{spread('p50_vs_floor_ms', '+.2f', ' ms')} (goal: at most 0.5 ms): "
-            f"{'met' if g['within_floor'] else 'not met'}"
-            + (
-                "."
-                if router is None
-                else f"; {num(router)}x vllm-router's throughput{spread('throughput_vs_router')} (goal: at "
-                "least 1.00x)."
-            )
-        )
+    verdicts = [_overhead_verdict(name, g) for name, g in r.get("goal", {}).items()]
     return "\n\n".join(
         [
             "## 2. Proxy overhead",
@@ -146,6 +102,32 @@ def overhead_section(r: dict) -> str:
             "measures routers alone on stub upstreams.",
             *[f"> {note}" for note in r["notes"]],
         ]
+    )
+
+
+def _overhead_verdict(name: str, g: dict) -> str:
+    """One path's verdict against section 2's goals, each ratio with the spread of its middle rounds."""
+    router = g["throughput_vs_router"]
+
+    def spread(key: str, spec: str = ".2f", unit: str = "x") -> str:
+        low, high = g.get(f"{key}_middle") or (None, None)
+        return (
+            ""
+            if low is None
+            else f" (middle half of the rounds: {num(low, spec)} to {num(high, spec)}{unit})"
+        )
+
+    return (
+        f"- {name}: our proxy runs at {num(g['throughput_vs_floor'])}x the pass-through's throughput"
+        f"{spread('throughput_vs_floor')} (goal: at least 0.98x) with {num(g['p50_vs_floor_ms'], '+.2f')} ms "
+        f"of p50 over it{spread('p50_vs_floor_ms', '+.2f', ' ms')} (goal: at most 0.5 ms): "
+        f"{'met' if g['within_floor'] else 'not met'}"
+        + (
+            "."
+            if router is None
+            else f"; {num(router)}x vllm-router's throughput{spread('throughput_vs_router')} (goal: at "
+            "least 1.00x)."
+        )
     )
 
 
@@ -267,27 +249,27 @@ def async_section(r: dict) -> str:
             f"for rollouts (mean `perf/rollout_wait_s` = {num(s['g_s'])} s); t, the trainer's own time per step "
             f"(step time minus that wait, adapter publication included) = {num(s['t_s'])} s. Fully overlapped, "
             "a step costs max(g, t), so the best an asynchronous trainer can do is (g + t) / max(g, t).",
-            *(
-                [
-                    "> MEASURED ABOVE IDEAL: the lockstep baseline did work a synchronous trainer would not "
-                    "(its dropped share above should be 0); the comparison is not valid."
-                ]
-                if s["share_of_ideal"] > 1.02
-                else []
-            ),
-            *(
-                [
-                    "> Far below ideal, and why: the ideal assumes generation and training run on separate "
-                    "devices, as on a GPU cluster (a trainer GPU, generator GPUs). Here the trainer and both "
-                    "vLLM replicas share the same 2 CPU cores, so whatever overlaps runs slower: the "
-                    "asynchronous run's step time is the two workloads contending, not max(g, t). The "
-                    "lockstep run gives each phase the whole machine in turn, which is why it holds up."
-                ]
-                if s["share_of_ideal"] < 0.8
-                else []
-            ),
+            *_async_caveats(s["share_of_ideal"]),
         ]
     )
+
+
+def _async_caveats(share_of_ideal: float) -> list[str]:
+    """What a reader must know when the measured speedup is far from the ideal one, either way."""
+    if share_of_ideal > 1.02:
+        return [
+            "> MEASURED ABOVE IDEAL: the lockstep baseline did work a synchronous trainer would not "
+            "(its dropped share above should be 0); the comparison is not valid."
+        ]
+    if share_of_ideal < 0.8:
+        return [
+            "> Far below ideal, and why: the ideal assumes generation and training run on separate "
+            "devices, as on a GPU cluster (a trainer GPU, generator GPUs). Here the trainer and both "
+            "vLLM replicas share the same 2 CPU cores, so whatever overlaps runs slower: the "
+            "asynchronous run's step time is the two workloads contending, not max(g, t). The "
+            "lockstep run gives each phase the whole machine in turn, which is why it holds up."
+        ]
+    return []
 
 
 def experience_section(r: dict) -> str:
@@ -361,21 +343,8 @@ def _correction_verdict(rows: list[dict]) -> str:
     )
 
 
-def failure_section(title: str, error: str) -> str:
-    return f"## {title}\n\nFAILED: {error}"
-
-
 def write(out: Path, plots_dir: Path, results: dict, info: dict, command: str, quick: bool) -> None:
     """Write the markdown (and the plots beside it, linked relatively)."""
-    from bench import trainer_ranks
-    from bench.plots import draw_all
-    from bench.report_scale import (
-        broadcast_section,
-        capacity_section,
-        pool_step_section,
-        routing_at_scale_section,
-    )
-
     plots = draw_all(results, plots_dir)
     sections = {
         "routing": (routing_section, "1. Routing"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from bench.report import num, pct, table
+from bench.markdown import num, pct, table
 
 
 def capacity_section(r: dict) -> str:

@@ -81,44 +81,14 @@ async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
                 ["-m", "bench.fleet", str(n), "--load-ms", "5"], log_dir / "fleet.log", cores=fleet_core
             )
         )
-        front = {}
-        for router in candidates:
-            if router.kind == "proxy":
-                replicas = {f"s{i}": url for i, url in enumerate(urls)}
-                log = log_dir / f"proxy-{router.policy}.log"
-                front[router.label] = await stack.enter_async_context(
-                    proxy_process(replicas, log, router.policy, cores=proxy_core)
-                )
-                await _load_versions(session, front[router.label])
-            else:
-                log = log_dir / f"vllm-router-{router.policy}.log"
-                front[router.label] = await stack.enter_async_context(
-                    vllm_router(urls, router.policy, log, cores=proxy_core)
-                )
+        front = await _start_fronts(stack, session, candidates, urls, log_dir, proxy_core)
         for rep in range(plan.reps):
             order = candidates[rep % len(candidates) :] + candidates[: rep % len(candidates)]
             for index, router in enumerate(order):
                 prompts = group_prompts(tokenizer, groups, seed=5000 + 1000 * rep + index)
-                await reset_prefix_caches(session, urls)
-                before = [await replica_counters(session, u) for u in urls]
-                stats_before = await _stub_stats(session, urls)
-                load = await grpo_load(
-                    session, front[router.label], lambda g: VERSIONS[g * len(VERSIONS) // groups], prompts,
-                    max_tokens=plan.max_tokens, groups_in_flight=plan.scale_routing_groups_in_flight,
-                )  # fmt: skip
-                if load.errors:
-                    raise RuntimeError(f"{router.label}: {load.errors} requests failed: {load.first_error}")
-                after = [await replica_counters(session, u) for u in urls]
-                stats = await _stub_stats(session, urls)
-                queries = sum(a["queries"] - b["queries"] for a, b in zip(after, before, strict=True))
-                hits = sum(a["hits"] - b["hits"] for a, b in zip(after, before, strict=True))
-                requests = [s["requests"] - b["requests"] for s, b in zip(stats, stats_before, strict=True)]
-                runs[router.label].append({
-                    "cache_hit_rate": hits / queries if queries else float("nan"),
-                    "requests_max_over_mean": _max_over_mean(requests),
-                    "replicas_used": sum(1 for r in requests if r),
-                    "throughput": load.throughput,
-                })  # fmt: skip
+                runs[router.label].append(
+                    await _measure(session, router, front[router.label], urls, prompts, plan)
+                )
     rows = []
     for router in candidates:
         rs = runs[router.label]
@@ -137,4 +107,51 @@ async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
             "prompt_tokens": len(prompts[0]),
         },  # fmt: skip
         "runs": runs,
+    }
+
+
+async def _start_fronts(stack: contextlib.AsyncExitStack, session, candidates: list[Router], urls: list[str],
+                        log_dir, cores: set[int] | None) -> dict[str, str]:  # fmt: skip
+    """Every router in front of the same stub replicas, for as long as `stack` holds them (our proxy with
+    the adapter versions loaded); label -> URL."""
+    front = {}
+    for router in candidates:
+        if router.kind == "proxy":
+            replicas = {f"s{i}": url for i, url in enumerate(urls)}
+            log = log_dir / f"proxy-{router.policy}.log"
+            front[router.label] = await stack.enter_async_context(
+                proxy_process(replicas, log, router.policy, cores=cores)
+            )
+            await _load_versions(session, front[router.label])
+        else:
+            log = log_dir / f"vllm-router-{router.policy}.log"
+            front[router.label] = await stack.enter_async_context(
+                vllm_router(urls, router.policy, log, cores=cores)
+            )
+    return front
+
+
+async def _measure(session, router: Router, url: str, urls: list[str], prompts, plan) -> dict:
+    """One router's run on empty caches: the engines' hit rate, how evenly the requests spread, and the
+    throughput; a failed request fails the benchmark."""
+    groups = plan.scale_routing_groups
+    await reset_prefix_caches(session, urls)
+    before = [await replica_counters(session, u) for u in urls]
+    stats_before = await _stub_stats(session, urls)
+    load = await grpo_load(
+        session, url, lambda g: VERSIONS[g * len(VERSIONS) // groups], prompts,
+        max_tokens=plan.max_tokens, groups_in_flight=plan.scale_routing_groups_in_flight,
+    )  # fmt: skip
+    if load.errors:
+        raise RuntimeError(f"{router.label}: {load.errors} requests failed: {load.first_error}")
+    after = [await replica_counters(session, u) for u in urls]
+    stats = await _stub_stats(session, urls)
+    queries = sum(a["queries"] - b["queries"] for a, b in zip(after, before, strict=True))
+    hits = sum(a["hits"] - b["hits"] for a, b in zip(after, before, strict=True))
+    requests = [s["requests"] - b["requests"] for s, b in zip(stats, stats_before, strict=True)]
+    return {
+        "cache_hit_rate": hits / queries if queries else float("nan"),
+        "requests_max_over_mean": _max_over_mean(requests),
+        "replicas_used": sum(1 for r in requests if r),
+        "throughput": load.throughput,
     }

@@ -139,7 +139,7 @@ async def run(servers, model_dir, tokenizer, plan, log_dir) -> dict:
 
 
 def section(r: dict) -> str:
-    from bench.report import num, table
+    from bench.markdown import num, table
 
     def mib(x):
         return f"{x / 2**20:,.0f}"

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-# One free-port helper and one moto launcher for the tests and the benchmarks (`python -m bench`); tests
-# import them from here.
-from bench.common import S3_ENV, free_port, moto_s3
+# One free-port helper and one moto launcher for the tests and the benchmarks (`python -m bench`), in
+# loopback.py at the repository root; tests import them from here.
+from loopback import S3_ENV, free_port, moto_s3
 from rl_cluster.generator.server import ServerSpec, VLLMServer
 
 __all__ = ["S3_ENV", "free_port", "moto_s3"]

@@ -18,7 +18,7 @@ import time
 import aiohttp
 import pytest
 from aiohttp import web
-from conftest import save_lora
+from conftest import free_port, save_lora
 
 from rl_cluster.config import ProxyConfig
 from rl_cluster.proxy.forward import REPLICA_HEADER
@@ -231,7 +231,6 @@ def _variants(tiny_model_dir, root):
 @pytest.fixture(scope="module")
 def bf16_server(tiny_model_dir, tmp_path_factory):
     """A real vLLM CPU server on the tiny model in bfloat16 (this machine's CPUs have avx512_bf16)."""
-    from bench.common import free_port
     from rl_cluster.generator.server import ServerSpec, VLLMServer
 
     server = VLLMServer(

@@ -8,8 +8,8 @@ import random
 
 import aiohttp
 import pytest
+from conftest import free_port
 
-from bench.common import free_port
 from rl_cluster.generator.server import ServerSpec, VLLMServer
 from rl_cluster.generator.vllm_compat import cpu_engine_args
 
