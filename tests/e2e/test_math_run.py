@@ -10,6 +10,7 @@ import concurrent.futures
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -222,9 +223,11 @@ def test_eval_pass_at_1_rises_on_the_tiny_math_task(tiny_math_model_dir, tmp_pat
 # tokens each), five steps' worth, and the trainer waited for samples admission never allowed; each step
 # now trains its 16 (compat item 16): in one row under 1,024 tokens, in several under 256.
 # The recipes train on 2 ranks: the Qwen one does here too (its one row split into a row per rank), the
-# other on one rank, so that both ways of packing a step run end to end.
+# other on one rank, so that both ways of packing a step run end to end. The one-rank run generates on
+# one tensor-parallel replica over both cores (generator.tensor_parallel_size=2), the other on one core.
 BUDGETS = {"qwen25_math_1p5b": 1024, "deepseek_r1_distill_qwen_1p5b": 256}
 RANKS = {"qwen25_math_1p5b": 2, "deepseek_r1_distill_qwen_1p5b": 1}
+TENSOR_PARALLEL = {"qwen25_math_1p5b": 1, "deepseek_r1_distill_qwen_1p5b": 2}
 CPU_SIZED = [
     "model.max_model_len=256", "trainer.max_new_tokens=24",
     "trainer.completions_per_step=16", "trainer.num_cpus=0.5", "trainer.num_gpus=0", "generator.replicas=1",
@@ -247,11 +250,14 @@ def test_each_reference_recipe_runs_two_steps_on_the_tiny_model(recipe, tiny_mat
         *CPU_SIZED,  # the prepared data's key follows the prompt limit, so prepare sees them too
         f"trainer.token_budget={BUDGETS[recipe]}",
         f"trainer.num_workers={RANKS[recipe]}",
+        f"generator.tensor_parallel_size={TENSOR_PARALLEL[recipe]}",
     ]
     prepare = subprocess.run([sys.executable, "-m", "rl_cluster.data", "prepare", "--config", config, *overrides],
                              cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert prepare.returncode == 0, (prepare.stdout + prepare.stderr)[-4000:]
     assert "train: 200 of 200 rows" in prepare.stdout, prepare.stdout
+    vllm_logs = REPO / ".cache" / "logs" / f"{recipe}-tiny"  # the run's generators log there (appending)
+    shutil.rmtree(vllm_logs, ignore_errors=True)
     run = subprocess.run([sys.executable, "jobs/train_grpo.py", "--config", config, *overrides,
                           f"run_name={recipe}-tiny"], cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
@@ -267,6 +273,9 @@ def test_each_reference_recipe_runs_two_steps_on_the_tiny_model(recipe, tiny_mat
         assert all(r["microbatches"] >= 2 for r in steps), steps
     assert summary["groups"]["trained"] == 2 * 2 and summary["groups"]["failed"] == 0, summary["groups"]
     assert len(summary["trainer_ranks"]) == RANKS[recipe], summary["trainer_ranks"]
+    if TENSOR_PARALLEL[recipe] > 1:  # vLLM's workers prefix their lines with their rank: one per TP rank
+        log = (vllm_logs / "vllm-g0.log").read_text(errors="replace")
+        assert set(re.findall(r"\(Worker_TP(\d+) pid=", log)) == {"0", "1"}, log[-3000:]
     assert [e["step"] for e in summary["eval"]["steps"]] == [0, 2]
     assert summary["eval"]["last"]["problems"] == 8 and summary["eval"]["last"]["failed"] == 0
     # In the recipe's own bf16: two steps at the recipe's learning rate move the adapter less than bf16

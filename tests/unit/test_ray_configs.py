@@ -554,7 +554,8 @@ def cluster_node_types() -> dict[str, tuple[dict, dict]]:
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_each_gpu_recipe_fits_the_shape_it_states_on_every_cluster_file(recipe):
     """The recipe's trainer and generators fit the node types, the shape it states is what they need (one
-    replica per `generator` resource), and the autoscaler may grow each group to it."""
+    replica per `generator.tensor_parallel_size` of a node's `generator` resources), and the autoscaler may
+    grow each group to it."""
     from rl_cluster.config import load_config
     from rl_cluster.core.placement import Request, unplaceable
 
@@ -565,7 +566,7 @@ def test_each_gpu_recipe_fits_the_shape_it_states_on_every_cluster_file(recipe):
     for name, (types, started) in cluster_node_types().items():
         trainer, generator = types["trainer"]["resources"], types["generator"]["resources"]
         assert trainer["GPU"] == shape["trainer_gpus"] and generator["GPU"] == shape["generator_gpus"], name
-        per_node = generator["generator"]  # replicas one generator node holds
+        per_node = generator["generator"] // g.tensor_parallel_size  # replicas one generator node holds
         assert g.replica_bounds[1] == shape["generators"] * per_node, f"{name}: replicas vs stated nodes"
         assert g.num_gpus * per_node <= generator["GPU"] and t.num_workers * t.num_cpus <= trainer["CPU"], (
             name
@@ -584,7 +585,7 @@ def test_each_gpu_recipe_fits_the_shape_it_states_on_every_cluster_file(recipe):
                     "GPU": t.num_workers * t.num_gpus,
                 },
             ),  # its ranks, on one node
-            Request("generator", {"generator": 1, "GPU": g.num_gpus}),
+            Request("generator", {"generator": g.tensor_parallel_size, "GPU": g.num_gpus}),
         ]
         assert unplaceable(requests, {}, [types[n]["resources"] for n in GROUPS]) == {}, name
 
