@@ -44,8 +44,8 @@
    does on GPUs; the worker is still spawned, bound as vLLM binds it. Whatever the fork inherits (the
    API server's listening socket) goes with the server's process group, which is what `VLLMServer.stop`
    ends. `tests/unit/test_vllm_compat.py` shows the platform's spawn; the session's vLLM servers in
-   `tests/integration/test_proxy.py` show an engine core forked (it holds the API server's listening
-   socket) and a worker spawned (it does not). Remove once vLLM's CPU platform forks what binds no threads.
+   `tests/integration/test_proxy.py` show an engine core forked (the API server's command line) and a
+   worker spawned. Remove once vLLM's CPU platform forks what binds no threads.
 """
 
 from __future__ import annotations

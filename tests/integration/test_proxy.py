@@ -577,25 +577,3 @@ async def test_with_no_replica_requests_wait_for_one_then_give_up_with_a_reason(
     await proxy.add_replica("r0", vllm_servers[0].url)
     status, body = await asyncio.wait_for(waiting, 60)
     assert status == 200 and body["choices"], body
-
-
-def test_a_cpu_server_forks_its_engine_core_and_spawns_its_worker(vllm_servers):
-    """vllm_compat item 6, on a live server: the engine core is a fork of the API server (vLLM's module run
-    by ours), and its worker a spawn (a fresh interpreter), as vLLM binds it. Fails with the fork undone."""
-    import psutil
-
-    api = psutil.Process(vllm_servers[0].process.pid)
-    assert "rl_cluster.generator.vllm_server" in api.cmdline()
-    (core,) = [c for c in api.children() if c.name().startswith("VLLM::EngineCore")]
-    # vLLM retitles its processes (their command lines and environments are overwritten), so ask what a
-    # fork keeps and a spawn closes: the API server's listening socket, opened before the engine starts.
-    port = vllm_servers[0].spec.port
-
-    def listens(process: psutil.Process) -> bool:
-        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in process.net_connections())
-
-    assert listens(api)
-    assert listens(core)  # forked: no new interpreter, no new import of vLLM
-    workers = core.children(recursive=True)
-    assert workers, "the engine core has no worker"
-    assert not any(listens(w) for w in workers)  # spawned: a fresh interpreter that inherited no socket
