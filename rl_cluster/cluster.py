@@ -46,6 +46,8 @@ class Cluster:
     proxy_url: str
     secrets: RunSecrets = field(default_factory=RunSecrets)
     loopback: bool = True
+    # Placed by the `proxy` resource, so Ray may restart it on another such node; else pinned to the driver's.
+    proxy_movable: bool = False
     generators: dict[str, object] = field(default_factory=dict)
     placement: dict[str, dict] = field(default_factory=dict)
     trainer: object | None = None
@@ -252,6 +254,15 @@ def draining_nodes() -> dict[str, float | None]:
     return {node: ms / 1000 if ms else None for node, ms in state.get_draining_nodes().items()}
 
 
+def proxy_node_besides(node_id: str, draining: dict) -> str | None:
+    """The address of a live node with the `proxy` resource, neither `node_id` nor draining: where Ray can
+    restart the proxy. None when there is none."""
+    for node in ray.nodes():
+        if node["Alive"] and node["Resources"].get("proxy") and node["NodeID"] not in {node_id, *draining}:
+            return node["NodeManagerAddress"]
+    return None
+
+
 def generator_actor(cluster: Cluster, replica_id: str):
     config = cluster.config
     return GeneratorActor.options(
@@ -305,13 +316,14 @@ async def start_proxy(
     secrets = secrets or RunSecrets()
     # The proxy refuses adapter paths outside the bucket before any replica sees them.
     adapter_root = Bucket(config.bucket.uri, config.bucket.s3_endpoint_url).uri
+    placed = proxy_options()
     proxy = ProxyActor.options(
         name=f"{config.run_name}-proxy",
         num_cpus=config.proxy.num_cpus,
         # A proxy whose process died is restarted where it was; calls made meanwhile wait for it.
         max_restarts=config.proxy.max_restarts,
         max_task_retries=-1 if config.proxy.max_restarts else 0,
-        **proxy_options(),
+        **placed,
     ).remote(
         config.proxy,
         adapter_root=adapter_root,
@@ -328,6 +340,7 @@ async def start_proxy(
         proxy_url=await proxy.start.remote(),
         secrets=secrets,
         loopback=loopback,
+        proxy_movable="resources" in placed,
     )
     cluster.placement["proxy"] = await proxy.placement.remote()
     return cluster

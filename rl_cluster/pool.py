@@ -36,7 +36,7 @@ from dataclasses import asdict
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rl_cluster.cluster import draining_nodes
+from rl_cluster.cluster import draining_nodes, proxy_node_besides
 from rl_cluster.config import GeneratorConfig
 from rl_cluster.core.names import NAMESPACE, pool_actor_name
 from rl_cluster.core.replacement import Replacements, evacuation
@@ -101,6 +101,26 @@ async def discard(cluster, rid: str) -> None:
         await cluster.proxy.remove_replica.remote(rid, 0.0)
 
 
+async def move_proxy_off_draining(cluster, moved_off: set[str]) -> None:
+    """The proxy's node is draining (a preemption notice): Ray restarts the proxy on another `proxy` node
+    now, before the deadline, and the pool controller restores it there as after a lost node (the trainer
+    and its rollout child follow it). Not a proxy pinned to the driver's node, nor one no other live `proxy`
+    node could take: it stays, and is restarted when its node goes. `moved_off`: nodes it was asked off."""
+    node = cluster.placement.get("proxy", {}).get("node_id")
+    if not cluster.proxy_movable or node in moved_off:
+        return
+    draining = await asyncio.to_thread(draining_nodes)
+    if (
+        node not in draining
+        or (elsewhere := await asyncio.to_thread(proxy_node_besides, node, draining)) is None
+    ):
+        return
+    moved_off.add(node)
+    address = cluster.placement["proxy"].get("address")
+    print(f"pool: the proxy's node {address} is draining: Ray restarts the proxy on {elsewhere}", flush=True)
+    ray.kill(cluster.proxy, no_restart=False)
+
+
 class PoolController:
     def __init__(self, cluster, keeper: RecordKeeper | None = None):
         """`cluster`: the run's Cluster after launch, from here on the copy whose generators change."""
@@ -117,6 +137,7 @@ class PoolController:
         self._loop: asyncio.Task | None = None
         self._watch: asyncio.Task | None = None  # the current look after the generators (_mend)
         self.proxy_restores = 0  # proxies Ray restarted that this controller handed the generators
+        self._proxy_moved_off: set[str] = set()  # draining nodes the proxy was asked off
         self.restarts = 0  # of this controller, by Ray (its process died)
         self._succession = Succession(self, keeper)  # a restarted one takes its predecessor's place here
 
@@ -129,8 +150,7 @@ class PoolController:
         self._loop = asyncio.get_running_loop().create_task(self._run())
 
     async def set_target(self, replicas: int | None) -> dict:
-        """Pin the pool at `replicas` (None: hand it back to the policy); acts at once. Raises ValueError
-        outside [generator.min_replicas, generator.max_replicas]."""
+        """Pin the pool at `replicas` (None: automatic again), at once; ValueError outside min..max_replicas."""
         self.policy.set_target(replicas)
         print(f"pool: {'target set to ' + str(replicas) if replicas else 'automatic again'}", flush=True)
         await self.step()
@@ -155,8 +175,7 @@ class PoolController:
         return [event.as_dict() for event in self.events]
 
     async def members(self) -> dict:
-        """What the driver reports and shuts down: `generators` (replica id -> actor), `placement`,
-        `history` (rl_cluster.core.replica_history.ReplicaHistory), `restarts_seen` (replica -> count)."""
+        """For the driver's report and shutdown: generators, placement, history, restarts_seen (by replica)."""
         c = self.cluster
         return {"generators": dict(c.generators), "placement": dict(c.placement), "history": c.history,
                 "restarts_seen": dict(c.restarts_seen)}  # fmt: skip
@@ -187,6 +206,7 @@ class PoolController:
                     await self.cluster.restore_proxy()
                     self.proxy_restores += 1
                     self.cluster.history.record("proxy", "proxy restarted by Ray", asked, time.time() - asked)
+                await move_proxy_off_draining(self.cluster, self._proxy_moved_off)
                 await self._evacuate_draining()
                 await self.step()
                 self._succession.keep()

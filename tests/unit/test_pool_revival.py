@@ -73,6 +73,7 @@ class DrainingCluster:
         self.history = ReplicaHistory()
         self.history.placed("g0", {"address": "10.0.0.3", "node_id": "n3"})
         self.history.placed("g1", {"address": "10.0.0.4", "node_id": "n4"})
+        self.placement, self.proxy_movable = {"proxy": {"address": "10.0.0.1", "node_id": "n1"}}, False
         self.started = asyncio.Event()  # lets the replacement start (the test holds it back)
         self.removed: list[str] = []
         self.proxy = type("Proxy", (), {})()
@@ -251,3 +252,35 @@ async def test_a_successor_takes_out_a_replica_its_predecessor_died_taking_out()
     assert cluster.removed == [rid] and not successor._leaving
     (event,) = successor.events
     assert event.replicas == [rid] and event.drain[rid]["in_flight_left"] == 0
+
+
+class ProxyOnNodes:
+    """The run's proxy on node n1, placed by the `proxy` resource (or pinned to the driver's node)."""
+
+    def __init__(self, movable: bool = True):
+        self.proxy, self.proxy_movable = object(), movable
+        self.placement = {"proxy": {"address": "10.0.0.1", "node_id": "n1"}}
+
+
+async def test_a_proxy_on_a_draining_node_is_restarted_elsewhere_once_and_only_where_it_can_go(monkeypatch):
+    """A preemption notice on the proxy's node: Ray restarts the proxy on another `proxy` node before the
+    deadline (then the controller restores it, as after a lost node). Asked once per node; never for a
+    proxy pinned to the driver's node or when no other live `proxy` node could take it."""
+    import rl_cluster.pool as pool_module
+
+    killed, others = [], {"n1": "10.0.0.2"}
+    monkeypatch.setattr(pool_module.ray, "kill", lambda actor, no_restart: killed.append((actor, no_restart)))
+    monkeypatch.setattr(pool_module, "proxy_node_besides", lambda node, draining: others.get(node))
+    monkeypatch.setattr(pool_module, "draining_nodes", lambda: {"n3": None})
+    cluster, moved_off = ProxyOnNodes(), set()
+    await pool_module.move_proxy_off_draining(cluster, moved_off)
+    assert not killed  # another node drains, not the proxy's
+    monkeypatch.setattr(pool_module, "draining_nodes", lambda: {"n1": 1e12})
+    for _ in range(3):  # every round sees the drain until the restore moves the proxy's placement
+        await pool_module.move_proxy_off_draining(cluster, moved_off)
+    assert killed == [(cluster.proxy, False)] and moved_off == {"n1"}  # restarted by Ray, not ended
+    pinned = ProxyOnNodes(movable=False)
+    await pool_module.move_proxy_off_draining(pinned, set())
+    others.clear()  # no other `proxy` node: it stays until its node goes
+    await pool_module.move_proxy_off_draining(ProxyOnNodes(), set())
+    assert len(killed) == 1
