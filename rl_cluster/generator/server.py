@@ -83,6 +83,9 @@ class ServerSpec:
             VLLM_SERVER_DEV_MODE="1",  # /pause, /resume, /server_info
             VLLM_ALLOW_RUNTIME_LORA_UPDATING="1",  # /v1/load_lora_adapter, /v1/unload_lora_adapter
             VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gb),
+            # vLLM logs to stdout, a file here: written line by line, not when 8 KB are full or at a clean
+            # exit (a server stopped with SIGKILL, or that never exits cleanly, took its lines with it).
+            PYTHONUNBUFFERED="1",
         )
         if self.cpu_cores:  # vLLM's CPU build: one core list per tensor-parallel rank, separated by "|"
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, self.cpu_cores))

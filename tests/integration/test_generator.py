@@ -40,6 +40,9 @@ async def test_generator_verifies_loads_and_dies_cleanly(marked_ray, tiny_model_
     actor = GeneratorActor.options(num_cpus=0, resources={"generator": 2}).remote("g0", config, str(tmp_path))
     url = await actor.start.remote(0)
     assert vllm_pids_with(marked_ray), "the actor's vLLM server should be running"
+    # vLLM's own lines are in the replica's log while it runs (they sat in an 8 KB stdout buffer before).
+    log = (tmp_path / "vllm-g0.log").read_text(errors="replace")
+    assert "non-default args" in log and "(Worker_TP1 pid=" in log, log[-2000:]
     workers = tp_workers(marked_ray)
     assert len(workers) == 2, workers  # one per rank, bound to cores 0 and 1
     assert sorted(os.sched_getaffinity(pid) for pid in workers.values()) == [{0}, {1}], workers

@@ -42,6 +42,7 @@ def test_environment_enables_runtime_lora_and_pins_a_core():
     env = ServerSpec(model="/m", port=9, cpu_cores=(1,), kv_cache_gb=2).environment()
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1" and env["VLLM_SERVER_DEV_MODE"] == "1"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert env["PYTHONUNBUFFERED"] == "1"  # its log, line by line
 
 
 @dataclass(frozen=True)
