@@ -278,9 +278,8 @@ def generator_actor(cluster: Cluster, replica_id: str):
         max_restarts=config.generator.max_restarts,
         num_cpus=0,
         num_gpus=config.generator.num_gpus,
-        resources={
-            "generator": config.generator.tensor_parallel_size
-        },  # its devices: K per node, K // TP replicas
+        # Its devices: a node with `generator: K` holds K // tensor_parallel_size replicas.
+        resources={"generator": config.generator.tensor_parallel_size},
     ).remote(
         replica_id,
         config,
