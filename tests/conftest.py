@@ -204,12 +204,13 @@ def publish_lora(bucket, run: str, version: int, model_dir: Path, work_dir: Path
     )  # fmt: skip
 
 
-def tiny_run_config(run: str, model_dir: Path, tmp_path: Path):
-    """A run config on the tiny model with a bucket directory under `tmp_path` and one generator."""
+def tiny_run_config(run: str, model_dir: Path, tmp_path: Path, *extra: str):
+    """A run config on the tiny model with a bucket directory under `tmp_path` and one generator; `extra`:
+    more dotted overrides."""
     from rl_cluster.config import load_config
 
     overrides = [f"run_name={run}", f"model.path={model_dir}", f"bucket.uri={tmp_path / 'bucket'}"]
-    return load_config(None, [*overrides, "generator.replicas=1"])
+    return load_config(None, [*overrides, "generator.replicas=1", *extra])
 
 
 @contextlib.contextmanager

@@ -18,7 +18,6 @@ from conftest import publish_lora, the_runs_process, tiny_run_config, vllm_pids_
 
 from rl_cluster.bucket import Bucket
 from rl_cluster.cluster import start_proxy
-from rl_cluster.config import load_config
 from rl_cluster.errors import AdapterRejected
 from rl_cluster.generator.actor import GeneratorActor
 from rl_cluster.pool import start_pool
@@ -32,15 +31,15 @@ async def test_generator_verifies_loads_and_dies_cleanly(marked_ray, tiny_model_
     which the gate, loads and the process tree treat as any replica. A killed TP worker takes its server
     down, and the actor restarts the whole server."""
     run = "gen-test"
-    config = load_config(None, [f"run_name={run}", f"model.path={tiny_model_dir}",
-                                f"bucket.uri={tmp_path / 'bucket'}", "generator.replicas=1",
-                                "generator.tensor_parallel_size=2", "generator.restart_backoff_s=0.1"])  # fmt: skip
+    config = tiny_run_config(
+        run, tiny_model_dir, tmp_path, "generator.tensor_parallel_size=2", "generator.restart_backoff_s=0.1"
+    )
     bucket = Bucket(config.bucket.uri)
     uris = {version: publish_lora(bucket, run, version, tiny_model_dir, tmp_path) for version in (1, 2)}
     actor = GeneratorActor.options(num_cpus=0, resources={"generator": 2}).remote("g0", config, str(tmp_path))
     url = await actor.start.remote(0)
     assert vllm_pids_with(marked_ray), "the actor's vLLM server should be running"
-    # vLLM's own lines are in the replica's log while it runs (they sat in an 8 KB stdout buffer before).
+    # vLLM's own lines, its TP workers' too, are in the replica's log while it runs.
     log = (tmp_path / "vllm-g0.log").read_text(errors="replace")
     assert "non-default args" in log and "(Worker_TP1 pid=" in log, log[-2000:]
     workers = tp_workers(marked_ray)
