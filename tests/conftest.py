@@ -45,6 +45,42 @@ def pytest_unconfigure(config):
     faulthandler.dump_traceback_later(120, exit=True)
 
 
+def pytest_configure(config):
+    global _config
+    _config = config
+
+
+_config: pytest.Config | None = None
+
+
+def pytest_report_header(config):
+    """What a CI log needs to tell one machine from another: cores, shared memory, what the hostname
+    resolves to (torch's gloo binds there: vLLM's tensor-parallel workers and the trainer's ranks)."""
+    import shutil
+    import socket
+
+    try:
+        resolved = socket.gethostbyname(socket.gethostname())
+    except OSError as e:
+        resolved = f"unresolved ({e})"
+    shm = "no /dev/shm"
+    if os.path.isdir("/dev/shm"):
+        usage = shutil.disk_usage("/dev/shm")
+        shm = f"/dev/shm {usage.free / 2**30:.1f} GiB free of {usage.total / 2**30:.1f}"
+    cores = f"{os.cpu_count()} cores, affinity {sorted(os.sched_getaffinity(0))}"
+    return f"machine: {cores}, {shm}, hostname {socket.gethostname()} -> {resolved}"
+
+
+def pytest_runtest_logreport(report):
+    """A run stopped at CI's time limit never prints its failures, and CI shows the end of its output:
+    each failure is printed as it happens (its end, where the assertion is), not only in the summary."""
+    terminal = _config and _config.pluginmanager.get_plugin("terminalreporter")
+    if report.failed and terminal:
+        terminal.write_line("")
+        terminal.write_sep("!", f"FAILED {report.nodeid} ({report.when})")
+        terminal.write_line(report.longreprtext[-6000:])
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if VLLM_FIXTURES & set(item.fixturenames) or E2E in item.path.parents:

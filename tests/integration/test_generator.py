@@ -37,47 +37,48 @@ async def test_generator_verifies_loads_and_dies_cleanly(marked_ray, tiny_model_
     bucket = Bucket(config.bucket.uri)
     uris = {version: publish_lora(bucket, run, version, tiny_model_dir, tmp_path) for version in (1, 2)}
     actor = GeneratorActor.options(num_cpus=0, resources={"generator": 2}).remote("g0", config, str(tmp_path))
-    url = await actor.start.remote(0)
-    assert vllm_pids_with(marked_ray), "the actor's vLLM server should be running"
-    # vLLM's own lines, its TP workers' too, are in the replica's log while it runs.
-    log = (tmp_path / "vllm-g0.log").read_text(errors="replace")
-    assert "non-default args" in log and "(Worker_TP1 pid=" in log, log[-2000:]
-    workers = tp_workers(marked_ray)
-    assert len(workers) == 2, workers  # one per rank, bound to cores 0 and 1
-    assert sorted(sorted(os.sched_getaffinity(pid)) for pid in workers.values()) == [[0], [1]], workers
+    try:
+        url = await actor.start.remote(0)
+        assert vllm_pids_with(marked_ray), "the actor's vLLM server should be running"
+        # vLLM's own lines, its TP workers' too, are in the replica's log while it runs.
+        log = (tmp_path / "vllm-g0.log").read_text(errors="replace")
+        assert "non-default args" in log and "(Worker_TP1 pid=" in log, log[-2000:]
+        workers = tp_workers(marked_ray)
+        assert len(workers) == 2, workers  # one per rank, bound to cores 0 and 1
+        assert sorted(sorted(os.sched_getaffinity(pid)) for pid in workers.values()) == [[0], [1]], workers
 
-    await actor.load_adapter.remote(f"{run}-v1", uris[1])
-    prompt = {"model": f"{run}-v1", "prompt": "1+2=", "max_tokens": 4, "temperature": 0}
-    assert requests.post(f"{url}/v1/completions", json=prompt, timeout=60).status_code == 200
+        await actor.load_adapter.remote(f"{run}-v1", uris[1])
+        prompt = {"model": f"{run}-v1", "prompt": "1+2=", "max_tokens": 4, "temperature": 0}
+        assert requests.post(f"{url}/v1/completions", json=prompt, timeout=60).status_code == 200
 
-    # A flipped byte in v2 is refused with the file named, and v1 keeps serving.
-    weights = tmp_path / "bucket" / run / "adapters" / f"{run}-v2" / "adapter_model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    weights.write_bytes(bytes(data))
-    with pytest.raises(AdapterRejected, match="adapter_model.safetensors"):
-        await actor.load_adapter.remote(f"{run}-v2", uris[2])
-    models = requests.get(f"{url}/v1/models", timeout=30).json()["data"]
-    assert {m["id"] for m in models} >= {f"{run}-v1"} and f"{run}-v2" not in {m["id"] for m in models}
-    assert requests.post(f"{url}/v1/completions", json=prompt, timeout=60).status_code == 200
+        # A flipped byte in v2 is refused with the file named, and v1 keeps serving.
+        weights = tmp_path / "bucket" / run / "adapters" / f"{run}-v2" / "adapter_model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        weights.write_bytes(bytes(data))
+        with pytest.raises(AdapterRejected, match="adapter_model.safetensors"):
+            await actor.load_adapter.remote(f"{run}-v2", uris[2])
+        models = requests.get(f"{url}/v1/models", timeout=30).json()["data"]
+        assert {m["id"] for m in models} >= {f"{run}-v1"} and f"{run}-v2" not in {m["id"] for m in models}
+        assert requests.post(f"{url}/v1/completions", json=prompt, timeout=60).status_code == 200
 
-    # One TP worker SIGKILLed: the server cannot serve on half a model; the actor restarts all of it.
-    os.kill(workers["TP1"], signal.SIGKILL)
-    deadline = time.monotonic() + 240
-    while (await actor.condition.remote())["restarts"] < 1 and time.monotonic() < deadline:
-        await asyncio.sleep(1)
-    assert (await actor.condition.remote())["restarts"] == 1
-    while time.monotonic() < deadline:  # serving again, on two new workers
-        with contextlib.suppress(requests.RequestException):
-            if requests.get(f"{url}/health", timeout=5).status_code == 200:
-                break
-        await asyncio.sleep(1)
-    base = {**prompt, "model": config.model.path}  # its adapters come back with the proxy's catch-up
-    assert requests.post(f"{url}/v1/completions", json=base, timeout=60).status_code == 200
-    assert len(again := tp_workers(marked_ray)) == 2 and not set(again.values()) & set(workers.values())
-
-    # Killed without a shutdown call (as `ray.kill` or a dead node would): the watchdog ends vLLM.
-    ray.kill(actor)
+        # One TP worker SIGKILLed: the server cannot serve on half a model; the actor restarts all of it.
+        os.kill(workers["TP1"], signal.SIGKILL)
+        deadline = time.monotonic() + 240
+        while (await actor.condition.remote())["restarts"] < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(1)
+        assert (await actor.condition.remote())["restarts"] == 1
+        while time.monotonic() < deadline:  # serving again, on two new workers
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            await asyncio.sleep(1)
+        base = {**prompt, "model": config.model.path}  # its adapters come back with the proxy's catch-up
+        assert requests.post(f"{url}/v1/completions", json=base, timeout=60).status_code == 200
+        assert len(again := tp_workers(marked_ray)) == 2 and not set(again.values()) & set(workers.values())
+    finally:  # also when it failed: a server left running held both cores and failed the next test
+        # Killed without a shutdown call (as `ray.kill` or a dead node would): the watchdog ends vLLM.
+        ray.kill(actor)
     assert not wait_until_no_vllm_with(marked_ray), "vLLM outlived its actor"
 
 
