@@ -33,8 +33,9 @@ class GeneratorConfig(Section):
     cores on the CPU build. A replica asks its node for this many `generator` resources, so a node with
     `generator: K` holds K // tensor_parallel_size replicas."""
     pin_cpu_cores: bool = True
-    """On CPU, bind replica i's engine to cores of its own (i x tensor_parallel_size onwards, mod cores),
-    so two engines do not share a core."""
+    """On CPU, bind each replica's engine to cores of its own node that no other replica there holds (one
+    per tensor-parallel rank, claimed for the actor's life; rl_cluster.generator.cores); where none is
+    free left, it shares cores and its log says so."""
     startup_timeout_s: float = Field(300.0, gt=0)
     """Seconds a vLLM server may take to answer /health before the run fails."""
     max_restarts: int = Field(3, ge=0)

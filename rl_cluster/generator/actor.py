@@ -24,10 +24,11 @@ from rl_cluster.core.manifest import split_adapter_dir_name
 from rl_cluster.core.restarts import RestartBudget
 from rl_cluster.core.telemetry import GENERATOR_METRICS, PrefixCacheCounts, vllm_gauges
 from rl_cluster.errors import ReplicaDown, ReplicaUnreachable
+from rl_cluster.generator.cores import CoreClaim, replica_cores
 from rl_cluster.generator.run_watch import end_with_the_run
-from rl_cluster.generator.server import ServerSpec, VLLMServer
+from rl_cluster.generator.server import VLLMServer, server_spec
 from rl_cluster.models import model_fingerprint, resolve_model
-from rl_cluster.nodes import node_placement, stable_port
+from rl_cluster.nodes import node_placement
 from rl_cluster.proxy.adapter_loader import HttpAdapterLoader
 from rl_cluster.telemetry import RayMetricSet
 
@@ -47,35 +48,6 @@ SUPERVISE_INTERVAL_S = 2.0
 METRICS_EVERY = 3  # supervision rounds between two exports of the replica's metrics
 UNHEALTHY_CHECKS = 3  # a server busy with long prefills may miss one /health; three in a row is dead
 HEALTH_TIMEOUT = aiohttp.ClientTimeout(total=10)
-
-
-def server_spec(config: RunConfig, model_dir: str, replica_index: int, host: str, api_key: str) -> ServerSpec:
-    """The vLLM server one replica runs: the run's model and generator settings, on a free port of `host`,
-    pinned to cores of its own on a CPU (one per tensor-parallel rank)."""
-    g, model = config.generator, config.model
-    use_gpu = g.num_gpus > 0
-    tp, cores = g.tensor_parallel_size, os.cpu_count() or 1
-    # Replica i's ranks on cores i x TP onwards: two replicas of one host share no core (mod its cores).
-    pinned = tuple((replica_index * tp + rank) % cores for rank in range(tp))
-    return ServerSpec(
-        model=model_dir,
-        port=stable_port(host),
-        host=host,
-        dtype=model.dtype,
-        max_model_len=model.max_model_len,
-        max_loras=g.max_loras,
-        max_lora_rank=g.max_lora_rank,
-        logprobs_mode=g.logprobs_mode,
-        enable_prefix_caching=g.enable_prefix_caching,
-        kv_cache_gb=g.kv_cache_gb,
-        cpu_cores=pinned if (g.pin_cpu_cores and not use_gpu) else (),
-        tensor_parallel_size=tp,
-        use_gpu=use_gpu,
-        gpu_memory_utilization=g.gpu_memory_utilization,
-        extra_args=tuple(g.extra_args),
-        served_model_name=model.path,
-        api_key=api_key,
-    )
 
 
 async def tell_proxy(proxy, replica_id: str, method: str, *args) -> bool:
@@ -152,6 +124,7 @@ class Generator:
         self._run_watch: asyncio.Task | None = None
         self._stopping = False
         self.slot: int | None = None  # the replica_index its server was started with
+        self.cores = CoreClaim(())  # on a CPU: its workers' cores on this node, held for its life
         # A fresh actor has not begun start(): after Ray restarted a dead one, the run's pool controller
         # sees that (condition()) and starts it again, passing on the restarts of its earlier lives.
         self._began = False
@@ -173,8 +146,7 @@ class Generator:
             raise
 
     async def _discard_server(self) -> None:
-        """The server a failed start made, and its session: stopped, so a start asked again (the pool's
-        mend) does not leave it holding its port and, on a GPU, its memory."""
+        """The server a failed start made, stopped: a start asked again must not leave it holding its port."""
         server, session, self.server, self._session, self.vllm = self.server, self._session, None, None, None
         if session is not None:
             await session.close()
@@ -182,9 +154,8 @@ class Generator:
             await asyncio.to_thread(server.stop)
 
     def membership(self) -> tuple[str, ActorAdapterLoader, int | None, dict[str, str]] | None:
-        """What a proxy needs to route to this replica: (url, control, capacity, held: the adapter versions
-        its server holds and the bucket paths they came from; a crashed server's too, until the new one
-        caught up: a proxy restored meanwhile learns which versions were live). None without a server."""
+        """What a proxy needs to route here: (url, control, capacity, held: its adapter versions and their
+        bucket paths, a crashed server's too until the new one caught up). None without a server."""
         if self.server is None or self.vllm is None:
             return None
         me, g = ray.get_runtime_context().current_actor, self.config.generator
@@ -193,8 +164,7 @@ class Generator:
 
     def condition(self) -> dict:
         """What the run's pool controller polls: did start() begin (False: Ray restarted this actor after
-        it died), is its restart budget spent (it stays down), the replica's restarts so far and why the
-        last one was needed."""
+        it died), is its restart budget spent (it stays down), its restarts so far and why the last."""
         reasons = self.restarts.reasons
         return {"started": self._began, "spent": self.spent, "restarts": self.restart_count(),
                 "last_restart": reasons[-1] if reasons else None, "slot": self.slot}  # fmt: skip
@@ -203,7 +173,9 @@ class Generator:
         model = self.config.model
         model_dir = await asyncio.to_thread(resolve_model, model.path, model.revision)
         self.base_fingerprint = model_fingerprint(model_dir)
-        spec = server_spec(self.config, str(model_dir), replica_index, self.host, self.api_key)
+        if not self.cores.cores:  # claimed once: a restarted server keeps its cores
+            self.cores = replica_cores(self.config.generator, replica_index, self.replica_id)
+        spec = server_spec(self.config, str(model_dir), self.cores.cores, self.host, self.api_key)
         self.server = VLLMServer(spec, self.log_dir / f"vllm-{self.replica_id}.log")
         self.server.start()
         await self.server.wait_healthy(self.config.generator.startup_timeout_s)
@@ -303,9 +275,8 @@ class Generator:
         return True
 
     async def report(self, fresh: bool = True) -> dict:
-        """What the replica did over the run, for the summary: `prefix_cache`, vLLM's counters (queries,
-        hits in prompt tokens, hit_rate; read now when `fresh`, else as last exported, a few seconds ago),
-        and `versions_loaded`, every adapter it loaded."""
+        """For the summary: `prefix_cache`, vLLM's counters (queries, hits in prompt tokens, hit_rate; read
+        now when `fresh`, else as last exported) and `versions_loaded`, every adapter it loaded."""
         if fresh and self.server is not None and not self._stopping:
             await self._export_metrics()
         return {"prefix_cache": self.prefix_cache.as_dict(), "versions_loaded": sorted(self.ever_loaded)}
@@ -319,7 +290,7 @@ class Generator:
         return self.server.process.pid if self.server and self.server.process else None
 
     def placement(self) -> dict:
-        return node_placement()
+        return {**node_placement(), "cores": list(self.cores.cores)}  # []: unbound
 
     async def load_adapter(self, name: str, path: str) -> None:
         """Fetch and verify `path` (raises AdapterNotFound / AdapterRejected), then load it into vLLM."""
@@ -364,6 +335,7 @@ class Generator:
         if self.server is not None:
             await asyncio.to_thread(self.server.stop)
             self.server = None
+        self.cores.release()  # its server is gone: the cores are free for another replica of the node
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import aiohttp
 
+from rl_cluster.config import RunConfig
 from rl_cluster.generator.vllm_compat import API_KEY_ENV, SERVER_MODULE, cpu_engine_args
+from rl_cluster.nodes import stable_port
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,35 @@ class ServerSpec:
         if self.api_key:
             env[API_KEY_ENV] = self.api_key
         return env
+
+
+def server_spec(
+    config: RunConfig, model_dir: str, cores: tuple[int, ...], host: str, api_key: str
+) -> ServerSpec:
+    """The vLLM server one replica runs: the run's model and generator settings, on a free port of `host`,
+    its workers bound to `cores` on a CPU (one per tensor-parallel rank: rl_cluster.generator.cores; ()
+    leaves them unbound)."""
+    g, model = config.generator, config.model
+    use_gpu = g.num_gpus > 0
+    return ServerSpec(
+        model=model_dir,
+        port=stable_port(host),
+        host=host,
+        dtype=model.dtype,
+        max_model_len=model.max_model_len,
+        max_loras=g.max_loras,
+        max_lora_rank=g.max_lora_rank,
+        logprobs_mode=g.logprobs_mode,
+        enable_prefix_caching=g.enable_prefix_caching,
+        kv_cache_gb=g.kv_cache_gb,
+        cpu_cores=() if use_gpu else cores,
+        tensor_parallel_size=g.tensor_parallel_size,
+        use_gpu=use_gpu,
+        gpu_memory_utilization=g.gpu_memory_utilization,
+        extra_args=tuple(g.extra_args),
+        served_model_name=model.path,
+        api_key=api_key,
+    )
 
 
 class VLLMServer:

@@ -46,6 +46,7 @@ async def test_generator_verifies_loads_and_dies_cleanly(marked_ray, tiny_model_
         workers = tp_workers(marked_ray)
         assert len(workers) == 2, workers  # one per rank, bound to cores 0 and 1
         assert sorted(sorted(os.sched_getaffinity(pid)) for pid in workers.values()) == [[0], [1]], workers
+        assert (await actor.placement.remote())["cores"] == [0, 1]  # claimed on this node for its life
 
         await actor.load_adapter.remote(f"{run}-v1", uris[1])
         prompt = {"model": f"{run}-v1", "prompt": "1+2=", "max_tokens": 4, "temperature": 0}

@@ -131,21 +131,21 @@ def test_cpu_servers_prefill_each_prompt_in_one_step():
     assert "--no-enable-chunked-prefill" not in gpu and "--max-num-batched-tokens" not in gpu
 
 
-def test_a_tensor_parallel_replica_binds_one_core_per_rank_and_replicas_share_none(monkeypatch):
-    """vLLM's CPU build takes one core list per tensor-parallel rank in VLLM_CPU_OMP_THREADS_BIND ("0|1");
-    replica i's ranks take cores i x TP onwards, so two TP-2 replicas of a 4-core host take 0|1 and 2|3."""
+def test_a_tensor_parallel_replica_binds_one_core_per_rank():
+    """vLLM's CPU build takes one core list per tensor-parallel rank in VLLM_CPU_OMP_THREADS_BIND ("0|1"):
+    the cores the replica claimed (rl_cluster.generator.cores); none on a GPU."""
     from rl_cluster.config import load_config
-    from rl_cluster.generator.actor import server_spec
+    from rl_cluster.generator.server import server_spec
 
-    monkeypatch.setattr("os.cpu_count", lambda: 4)
     config = load_config(None, ["generator.tensor_parallel_size=2"])
-    specs = [server_spec(config, "/m", i, "127.0.0.1", "key") for i in range(2)]
-    assert [s.environment()["VLLM_CPU_OMP_THREADS_BIND"] for s in specs] == ["0|1", "2|3"]
-    assert " ".join(specs[0].command()).count("--tensor-parallel-size 2") == 1
-    one = server_spec(load_config(None, []), "/m", 3, "127.0.0.1", "key")
+    spec = server_spec(config, "/m", (2, 3), "127.0.0.1", "key")
+    assert spec.environment()["VLLM_CPU_OMP_THREADS_BIND"] == "2|3"
+    assert " ".join(spec.command()).count("--tensor-parallel-size 2") == 1
+    one = server_spec(load_config(None, []), "/m", (3,), "127.0.0.1", "key")
     assert (
         one.environment()["VLLM_CPU_OMP_THREADS_BIND"] == "3"
         and "--tensor-parallel-size" not in one.command()
     )
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in server_spec(config, "/m", (), "127.0.0.1", "key").environment()
     gpu = load_config(None, ["generator.tensor_parallel_size=2", "generator.num_gpus=2"])
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in server_spec(gpu, "/m", 0, "127.0.0.1", "key").environment()
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in server_spec(gpu, "/m", (0, 1), "127.0.0.1", "key").environment()
