@@ -65,9 +65,10 @@ class Cluster:
         new = []
         for index in range(self._next_index, self._next_index + count):
             replica_id = f"g{index}"
-            # The replica's slot picks its CPU core on a CPU host (pin_cpu_cores): the lowest one no live
-            # generator holds. Its number would not do once replicas come and go: g2 started after g1 left
-            # shared g0's core, and under load its vLLM worker made no progress for minutes.
+            # The replica's slot: the lowest no live generator holds. On a CPU host a replica claims free
+            # cores of its node (rl_cluster.generator.cores) and falls back to its slot's when none is
+            # free; its number would not do once replicas come and go (g2 started after g1 left shared
+            # g0's core, and under load its vLLM worker made no progress for minutes).
             held = {self._slots[r] for r in self.generators if r in self._slots}
             self._slots[replica_id] = slot = min(set(range(len(held) + 1)) - held)
             self.generators[replica_id] = generator_actor(self, replica_id)
@@ -106,16 +107,16 @@ class Cluster:
                 continue
             except (TimeoutError, ray.exceptions.RayActorError):
                 continue  # still restarting: the next round sees it
-            if not condition["started"]:
+            if not condition.started:
                 found[replica_id] = "restarted"
                 continue
-            if condition["restarts"] > self.restarts_seen.get(replica_id, 0):
-                why = condition.get("last_restart")
+            if condition.restarts > self.restarts_seen.get(replica_id, 0):
+                why = condition.last_restart
                 self.history.cause(
                     replica_id, f"vLLM server restarted ({why})" if why else "vLLM server restarted"
                 )
-            self.restarts_seen[replica_id] = condition["restarts"]
-            if condition["spent"]:
+            self.restarts_seen[replica_id] = condition.restarts
+            if condition.spent:
                 found[replica_id] = "spent"
         return found
 

@@ -153,8 +153,8 @@ async def locate(cluster, replicas: list[str], timeout_s: float = 10.0) -> None:
         actor = cluster.generators.get(rid)
         try:
             condition = await asyncio.wait_for(actor.condition.remote(), timeout_s)
-            if condition["slot"] is not None:
-                cluster._slots[rid] = condition["slot"]
+            if condition.slot is not None:
+                cluster._slots[rid] = condition.slot
             await asyncio.wait_for(cluster._placed(rid, actor), timeout_s)
         except Exception:  # noqa: BLE001
             continue

@@ -29,3 +29,19 @@ class RestartBudget:
             return None
         self.reasons.append(reason)
         return min(self.backoff_s * 2 ** (self.used - 1), MAX_BACKOFF_S)
+
+
+@dataclass(frozen=True)
+class GeneratorCondition:
+    """What a generator actor tells the run's pool controller each round (GeneratorActor.condition)."""
+
+    started: bool
+    """start() began: False on a fresh actor, i.e. one Ray restarted after it died (the pool revives it)."""
+    spent: bool
+    """Its server's restart budget ran out: it stays down until the pool replaces it."""
+    restarts: int
+    """Its restarts so far: its server's in place, and its actor's own (each counts once)."""
+    last_restart: str | None
+    """Why the last restart was needed (None: none yet)."""
+    slot: int | None
+    """The replica index its server was started with (a successor pool controller keeps it)."""

@@ -21,7 +21,7 @@ from rl_cluster.bucket import Bucket, apply_cache_retention
 from rl_cluster.config import RunConfig
 from rl_cluster.core.auth import bearer_headers
 from rl_cluster.core.manifest import split_adapter_dir_name
-from rl_cluster.core.restarts import RestartBudget
+from rl_cluster.core.restarts import GeneratorCondition, RestartBudget
 from rl_cluster.core.telemetry import GENERATOR_METRICS, PrefixCacheCounts, vllm_gauges
 from rl_cluster.errors import ReplicaDown, ReplicaUnreachable
 from rl_cluster.generator.cores import CoreClaim, replica_cores
@@ -162,12 +162,11 @@ class Generator:
         held = {**self.held_before_restart, **self.loaded}
         return self.server.url, ActorAdapterLoader(me), max_num_seqs(g.extra_args), held
 
-    def condition(self) -> dict:
-        """What the run's pool controller polls: did start() begin (False: Ray restarted this actor after
-        it died), is its restart budget spent (it stays down), its restarts so far and why the last."""
+    def condition(self) -> GeneratorCondition:
+        """What the run's pool controller polls each round."""
         reasons = self.restarts.reasons
-        return {"started": self._began, "spent": self.spent, "restarts": self.restart_count(),
-                "last_restart": reasons[-1] if reasons else None, "slot": self.slot}  # fmt: skip
+        return GeneratorCondition(self._began, self.spent, self.restart_count(), reasons[-1] if reasons else None,
+                                  self.slot)  # fmt: skip
 
     async def _start(self, replica_index: int, proxy) -> str:
         model = self.config.model

@@ -66,9 +66,9 @@ async def test_generator_verifies_loads_and_dies_cleanly(marked_ray, tiny_model_
         # One TP worker SIGKILLed: the server cannot serve on half a model; the actor restarts all of it.
         os.kill(workers["TP1"], signal.SIGKILL)
         deadline = time.monotonic() + 240
-        while (await actor.condition.remote())["restarts"] < 1 and time.monotonic() < deadline:
+        while (await actor.condition.remote()).restarts < 1 and time.monotonic() < deadline:
             await asyncio.sleep(1)
-        assert (await actor.condition.remote())["restarts"] == 1
+        assert (await actor.condition.remote()).restarts == 1
         while time.monotonic() < deadline:  # serving again, on two new workers
             with contextlib.suppress(requests.RequestException):
                 if requests.get(f"{url}/health", timeout=5).status_code == 200:
