@@ -36,6 +36,10 @@ class GeneratorConfig(Section):
     """On CPU, bind each replica's engine to cores of its own node that no other replica there holds (one
     per tensor-parallel rank, claimed for the actor's life; rl_cluster.generator.cores); where none is
     free left, it shares cores and its log says so."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """vLLM's own log level in each replica's log (its server's `VLLM_LOGGING_LEVEL`, always set: a level
+    in the driver's environment is not passed on, as TRL sets it to ERROR in every process that imports
+    it: rl_cluster.generator.vllm_compat item 6)."""
     startup_timeout_s: float = Field(300.0, gt=0)
     """Seconds a vLLM server may take to answer /health before the run fails."""
     max_restarts: int = Field(3, ge=0)

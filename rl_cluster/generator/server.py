@@ -43,6 +43,8 @@ class ServerSpec:
     cpu_cores: tuple[int, ...] = ()
     """CPU build: the cores its engine's workers are bound to, one per tensor-parallel rank; (): unbound."""
     tensor_parallel_size: int = 1
+    log_level: str = "INFO"
+    """vLLM's log level (VLLM_LOGGING_LEVEL), set whatever the starter's environment says (vllm_compat item 6)."""
     use_gpu: bool = False
     gpu_memory_utilization: float = 0.9
     extra_args: tuple[str, ...] = field(default_factory=tuple)
@@ -88,6 +90,7 @@ class ServerSpec:
             # vLLM logs to stdout, a file here: written line by line, not when 8 KB are full or at a clean
             # exit (a server stopped with SIGKILL, or that never exits cleanly, took its lines with it).
             PYTHONUNBUFFERED="1",
+            VLLM_LOGGING_LEVEL=self.log_level,  # not TRL's ERROR, inherited from whoever imported TRL
         )
         if self.cpu_cores:  # vLLM's CPU build: one core list per tensor-parallel rank, separated by "|"
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, self.cpu_cores))
@@ -118,6 +121,7 @@ def server_spec(
         kv_cache_gb=g.kv_cache_gb,
         cpu_cores=() if use_gpu else cores,
         tensor_parallel_size=g.tensor_parallel_size,
+        log_level=g.log_level,
         use_gpu=use_gpu,
         gpu_memory_utilization=g.gpu_memory_utilization,
         extra_args=tuple(g.extra_args),

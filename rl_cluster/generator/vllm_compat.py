@@ -35,6 +35,14 @@
    chaos run's replica never came back into routing. A name is never reused for other weights, so
    `HttpAdapterLoader` takes that answer as loaded (`ALREADY_LOADED`).
    `tests/integration/test_proxy.py` shows vLLM's answer to a second load and the loader's.
+6. Not vLLM's, but what its servers inherit: importing TRL (1.16, `trl._compat._patch_vllm_logging`) sets
+   `VLLM_LOGGING_LEVEL=ERROR` in the importing process's environment, for vLLM in that process. Every
+   process started from it inherits the level: a driver or a test session that imported TRL before it
+   started Ray or a server gave every replica's log no vLLM line but errors (no engine config, no
+   worker, no load; a CI run's replica logs held none, which was first taken for buffered stdout).
+   A server's environment always sets the level, `generator.log_level` (INFO by default);
+   `tests/unit/test_vllm_compat.py` shows TRL's import setting ERROR and the server's environment
+   keeping its own level. Remove when TRL no longer writes the variable on import.
 """
 
 from __future__ import annotations

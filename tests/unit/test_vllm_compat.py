@@ -117,3 +117,23 @@ async def test_the_proxy_drops_a_kept_alive_connection_before_vllm_closes_it():
     assert default._keepalive_timeout > VLLM_KEEP_ALIVE_S  # what a client left at its default does
     await default.close()
     assert 0 < CLIENT_KEEPALIVE_S < VLLM_KEEP_ALIVE_S
+
+
+def test_importing_trl_silences_vllm_and_a_servers_environment_keeps_its_own_level(monkeypatch):
+    """Item 6: a process that imports TRL has VLLM_LOGGING_LEVEL=ERROR in its environment from then on (the
+    need: every server it or its Ray starts would inherit it); a server's environment sets its own level."""
+    import os
+    import subprocess
+    import sys
+
+    from rl_cluster.config import load_config
+    from rl_cluster.generator.server import ServerSpec, server_spec
+
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    code = "import os, trl.trainer; print(os.environ.get('VLLM_LOGGING_LEVEL'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.split()[-1:] == ["ERROR"], out.stdout + out.stderr[-2000:]
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")
+    assert ServerSpec(model="/m", port=9).environment()["VLLM_LOGGING_LEVEL"] == "INFO"
+    debug = load_config(None, ["generator.log_level=DEBUG"])
+    assert server_spec(debug, "/m", (), "127.0.0.1", "key").environment()["VLLM_LOGGING_LEVEL"] == "DEBUG"
