@@ -39,10 +39,12 @@ REPO = Path(__file__).resolve().parents[2]
 # A trainer node holds two ranks (the resume run trains on two, the chaos run on one).
 NODES = {"head": {}, "trainer": {"trainer": 2}, "gen0": {"generator": 1}, "gen1": {"generator": 1},
          "spare": {"generator": 1}, "spare2": {"generator": 1}, "trainer2": {"trainer": 2},
-         "trainer3": {"trainer": 2}, "proxy": {"proxy": 1}, "proxy2": {"proxy": 1}}  # fmt: skip
-# spare, spare2, trainer2 and proxy2 join mid-run, in the chaos run; trainer3 before the resume run's last
-# job, whose two ranks span two trainer nodes. The proxy runs on a node of its own (a `proxy` resource).
-SPARE = ("spare", "spare2", "trainer2", "trainer3", "proxy2")
+         "trainer3": {"trainer": 2}, "proxy": {"proxy": 1}, "proxy2": {"proxy": 1},
+         "proxy3": {"proxy": 1}}  # fmt: skip
+# spare, spare2, trainer2, proxy2 and proxy3 join mid-run, in the chaos run; trainer3 before the resume
+# run's last job, whose two ranks span two trainer nodes. The proxy runs on a node of its own (a `proxy`
+# resource).
+SPARE = ("spare", "spare2", "trainer2", "trainer3", "proxy2", "proxy3")
 HUB_ID = "local/tiny-qwen2"
 UNRESPONSIVE_S = 20  # trainer.unresponsive_timeout_s of the resume run, whose rank 0 is SIGSTOPped
 # In the head's environment only, as a pod spec's secret would put them: the driver inherits them and hands
@@ -395,6 +397,8 @@ def test_a_four_node_job_trains_through_what_a_cloud_does_to_it(cluster, hub_env
         a preemption notice (Ray's drain, with a deadline): g1 comes back on a spare node; g0 finishes what
         it has in flight and leaves, its replacement starts at once on the other spare, and the drained node
         goes at its deadline. No replica serves until one of them does.
+    (5) a preemption notice for the proxy's node: the pool controller has Ray restart the proxy on the third
+        `proxy` node at once, before the deadline, and restores it there; the trainer follows it.
     The run finishes every step with served = trained, no group failed and its reward risen; summary.json
     lists each fault, whom it hit and how long until it was over; no secret shows anywhere."""
     bucket, run, job = tmp_path / "bucket", "mn-chaos", "rlc-chaos"
@@ -498,6 +502,21 @@ def test_a_four_node_job_trains_through_what_a_cloud_does_to_it(cluster, hub_env
     wait_for_log(cluster, job, r"pool: \['g2'\] caught up and active", 600, logged)
     took["preemption notice"] = time.monotonic() - t0
     cluster.lose(node_of["g0"])  # its deadline: the machine goes (Ray let it go once it was empty)
+    trains_on(logged)
+
+    # (5) a preemption notice for the proxy's node: it moves before the deadline
+    cluster.join("proxy3")
+    logged, t0 = mark()
+    drain_node(cluster, "proxy2", deadline_s=120)
+    there, moved = cluster.addresses["proxy2"], re.escape(f"http://{cluster.addresses['proxy3']}:")
+    wait_for_log(cluster, job, rf"pool: the proxy's node {re.escape(there)} is draining: Ray restarts the proxy "
+                               rf"on {re.escape(cluster.addresses['proxy3'])}", 60, logged)  # fmt: skip
+    wait_for_log(cluster, job, rf"proxy restarted by Ray: serving again on {moved}", 300, logged)
+    wait_for_log(
+        cluster, job, rf"trainer: the proxy serves on {moved}\d+ now; following it there", 120, logged
+    )
+    took["proxy's node drained"] = time.monotonic() - t0
+    cluster.lose("proxy2")  # its deadline
     steps_then = re.findall(rf"step +(\d+)/{CHAOS_STEPS}", job_logs(cluster, job))[-1]
     print("\nchaos run, seconds until the run was over each fault (as this test saw it): "
           + ", ".join(f"{what} {s:.0f}" for what, s in took.items()) + f"; at step {steps_then}")  # fmt: skip
@@ -522,9 +541,9 @@ def test_a_four_node_job_trains_through_what_a_cloud_does_to_it(cluster, hub_env
     assert summary["steps"] * 4 <= groups["trained"] <= (summary["steps"] + 1) * 4, groups
     assert groups["failed"] == 0, groups  # no request failed for good
     assert summary["served_check"]["match"] >= 1 and summary["served_check"]["mismatch"] == 0, summary
-    assert (summary["trainer_restarts"], summary["proxy_restarts"]) == (1, 1), summary
+    assert (summary["trainer_restarts"], summary["proxy_restarts"]) == (1, 2), summary
     assert summary["placement"]["trainer"]["address"] == cluster.addresses["trainer2"], summary["placement"]
-    assert summary["placement"]["proxy"]["address"] == cluster.addresses["proxy2"], summary["placement"]
+    assert summary["placement"]["proxy"]["address"] == cluster.addresses["proxy3"], summary["placement"]
     # Each replica's places, and what ended each.
     history = {g: [(s["address"], s["ended_by"] and s["ended_by"].split(" (")[0]) for s in lives]
                for g, lives in summary["placement_history"].items()}  # fmt: skip
@@ -538,7 +557,8 @@ def test_a_four_node_job_trains_through_what_a_cloud_does_to_it(cluster, hub_env
     faults = Counter((f["who"], f["what"].split(" (")[0]) for f in summary["faults"])
     dealt = Counter([("g0", "actor died"), ("g0", "node drained"), ("g0", "vLLM server restarted"),
                      ("g1", "node lost"), ("g1", "out of routing"), ("g1", "vLLM server restarted"),
-                     ("proxy", "proxy restarted by Ray"), ("trainer", "trainer restarted by Ray")])  # fmt: skip
+                     ("proxy", "proxy restarted by Ray"), ("proxy", "proxy restarted by Ray"),
+                     ("trainer", "trainer restarted by Ray")])  # fmt: skip
     assert not dealt - faults, summary["faults"]  # each fault dealt is recorded
     # Besides: a replica whose health probe went unanswered for a while on a loaded machine (CI's slowest
     # run: g0, once) is a fault too, recorded as such; nothing else may be.
