@@ -124,8 +124,7 @@ async def move_proxy_off_draining(cluster, moved_off: set[str]) -> None:
 class PoolController:
     def __init__(self, cluster, keeper: RecordKeeper | None = None):
         """`cluster`: the run's Cluster after launch, from here on the copy whose generators change."""
-        self.cluster = cluster
-        self.g = cluster.config.generator
+        self.cluster, self.g = cluster, cluster.config.generator
         self.policy = ScalingPolicy(rules_for(self.g))
         self.events: list[ScaleEvent] = []
         self._leaving: dict[str, Leaving] = {}  # kept for a successor, which finishes their way out
@@ -199,6 +198,8 @@ class PoolController:
             if self._watch is None or self._watch.done():
                 self._watch = asyncio.get_running_loop().create_task(self._mend())
             try:
+                # First: a moved proxy is timed from its move (else its restore alone: 0.0 s once rounded).
+                await move_proxy_off_draining(self.cluster, self._proxy_moved_off)
                 asked = time.time()  # a call to a dead proxy waits here until Ray restarted it
                 if await self.cluster.proxy.awaiting_restore.remote():
                     # Ray restarted the proxy (its process died): only this actor knows the generators.
@@ -206,7 +207,6 @@ class PoolController:
                     await self.cluster.restore_proxy()
                     self.proxy_restores += 1
                     self.cluster.history.record("proxy", "proxy restarted by Ray", asked, time.time() - asked)
-                await move_proxy_off_draining(self.cluster, self._proxy_moved_off)
                 await self._evacuate_draining()
                 await self.step()
                 self._succession.keep()
