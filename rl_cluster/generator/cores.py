@@ -58,9 +58,11 @@ class CoreClaim:
         )
 
     def release(self) -> None:
+        """Free the cores: the claim holds none afterwards (a placement read later lists none)."""
         for fd in self._locks:
             os.close(fd)  # closing the only descriptor of the file releases its flock
         self._locks.clear()
+        self.cores, self.shared = (), ()
 
 
 def claim_cores(

@@ -21,6 +21,7 @@ def test_replicas_of_a_node_claim_distinct_cores_and_share_only_when_none_is_fre
     third = claim_cores(2, slot=1, available=[0, 1, 2, 3], lock_dir=tmp_path)
     assert third.cores == third.shared == (2, 3) and "sharing [2, 3]" in third.describe()
     first.release()
+    assert first.cores == ()  # it holds none now
     assert claim_cores(1, slot=5, available=[0, 1, 2, 3], lock_dir=tmp_path).cores == (0,)
     partly = claim_cores(2, slot=0, available=[0, 1, 2, 3], lock_dir=tmp_path)
     assert partly.cores == (1, 0) and partly.shared == (0,)  # one free core, one shared
